@@ -1,0 +1,1 @@
+"""Consumer side of rlstream: reward workers (``consumers.reward``) and trainers (``consumers.trainer``)."""

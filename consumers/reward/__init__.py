@@ -1,0 +1,1 @@
+"""Reward workers and reward functions."""

@@ -1,0 +1,1 @@
+"""Trainer workers, advantages, losses and train engines."""

@@ -1,0 +1,339 @@
+"""The local Apache Kafka broker for machines without Docker.
+
+A real Kafka 4.x broker in KRaft combined mode (broker + controller, one node) on 127.0.0.1,
+run from jars that Maven resolves from Maven Central (``infra/kafka/pom.xml``; cached in
+``~/.m2``, never committed). The first start downloads; later starts reuse a cached classpath.
+
+Files in ``data_dir``: ``server.properties``, ``logs/`` (Kafka's data), ``broker.log``,
+``broker.pid`` and ``broker.json`` (pid, ports, bootstrap). Stop is by that PID only.
+
+This is for development, tests and the demo. Production clusters are run by Kafka's own tooling.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from pipeline.errors import BrokerError
+from pipeline.log import kv
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POM = Path(os.environ.get("RLSTREAM_KAFKA_POM", REPO_ROOT / "infra" / "kafka" / "pom.xml"))
+CACHE_DIR = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache" / "rlstream"))
+LOG4J2 = """status = warn
+appender.file.type = File
+appender.file.name = FILE
+appender.file.fileName = {log}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = FILE
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still "exists"; treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+def read_state(data_dir: Path) -> dict | None:
+    """The running broker's state file, or None if it is absent or its process is gone."""
+    f = Path(data_dir) / "broker.json"
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if pid_alive(int(state.get("pid", -1))) else None
+
+
+def _java_version() -> int:
+    java = shutil.which("java")
+    if not java:
+        raise BrokerError(
+            "java not found: the local broker needs Java 17+ (e.g. apt-get install openjdk-17-jre-headless)"
+        )
+    out = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
+    try:
+        ver = out.split('"')[1]
+        major = int(ver.split(".")[0] if not ver.startswith("1.") else ver.split(".")[1])
+    except (IndexError, ValueError):
+        raise BrokerError(f"cannot read the Java version from: {out.strip()[:200]}") from None
+    if major < 17:
+        raise BrokerError(f"Kafka 4.x needs Java 17+, found {ver}")
+    return major
+
+
+def classpath(progress=print) -> str:
+    """Resolve the broker's jars with Maven (once; cached by the pom's hash)."""
+    if not POM.is_file():
+        raise BrokerError(f"Kafka pom not found at {POM} (set RLSTREAM_KAFKA_POM)")
+    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16]
+    cp_file = CACHE_DIR / f"kafka-classpath-{digest}.txt"
+    if cp_file.is_file():
+        cp = cp_file.read_text().strip()
+        if cp and all(Path(j).is_file() for j in cp.split(os.pathsep)):
+            return cp
+    mvn = shutil.which("mvn")
+    if not mvn:
+        raise BrokerError("mvn not found: the local broker resolves Kafka's jars with Maven (apt-get install maven)")
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    progress("resolving Kafka jars from Maven Central (first start only; cached in ~/.m2)...")
+    t0 = time.monotonic()
+    tmp = cp_file.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(
+        [mvn, "-q", "-B", "-f", str(POM), "dependency:build-classpath", f"-Dmdep.outputFile={tmp}"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0 or not tmp.is_file():
+        raise BrokerError(f"Maven could not resolve Kafka's jars:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    tmp.replace(cp_file)
+    progress(f"resolved Kafka jars in {time.monotonic() - t0:.1f}s")
+    return cp_file.read_text().strip()
+
+
+class LocalBroker:
+    """Start, stop and inspect one local KRaft broker. ``cfg`` is a BrokerConfig."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.data_dir = Path(cfg.data_dir).expanduser()
+        self.pidfile = self.data_dir / "broker.pid"
+        self.statefile = self.data_dir / "broker.json"
+        self.logfile = self.data_dir / "broker.log"
+
+    # -- status ------------------------------------------------------------------------------
+    def state(self) -> dict | None:
+        return read_state(self.data_dir)
+
+    @property
+    def bootstrap(self) -> str | None:
+        s = self.state()
+        return s["bootstrap"] if s else None
+
+    # -- start -------------------------------------------------------------------------------
+    def _properties(self, port: int, controller_port: int) -> str:
+        host = self.cfg.host
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.voters": f"1@{host}:{controller_port}",
+            "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(self.data_dir / "logs"),
+            "num.partitions": "1",
+            "default.replication.factor": "1",
+            "min.insync.replicas": "1",
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "1",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "message.max.bytes": str(16 * 1024 * 1024),
+            "replica.fetch.max.bytes": str(16 * 1024 * 1024),
+            "num.network.threads": "2",
+            "num.io.threads": "4",
+            "num.recovery.threads.per.data.dir": "1",
+            "log.segment.bytes": str(256 * 1024 * 1024),
+            "auto.create.topics.enable": "false",
+            "delete.topic.enable": "true",
+            "transaction.abort.timed.out.transaction.cleanup.interval.ms": "5000",
+            "transaction.remove.expired.transaction.cleanup.interval.ms": "60000",
+            **self.cfg.properties,
+        }
+        return "".join(f"{k}={v}\n" for k, v in props.items())
+
+    def start(self, progress=print) -> dict:
+        """Start the broker unless it already runs; return its state. Idempotent."""
+        running = self.state()
+        if running:
+            progress(f"broker already running: pid {running['pid']} at {running['bootstrap']}")
+            return running
+        _java_version()
+        cp = classpath(progress)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        port = self.cfg.port or self._previous_port() or free_port(self.cfg.host)
+        if port_open(self.cfg.host, port):
+            raise BrokerError(
+                f"port {port} on {self.cfg.host} is already in use; set broker.port to another port "
+                "or 0 to pick a free one (or point kafka.bootstrap_servers at that broker)"
+            )
+        controller_port = free_port(self.cfg.host)
+        props_file = self.data_dir / "server.properties"
+        props_file.write_text(self._properties(port, controller_port))
+        log4j = self.data_dir / "log4j2.properties"
+        log4j.write_text(LOG4J2.format(log=self.data_dir / "kafka-server.log"))
+        java = [shutil.which("java"), f"-Dlog4j2.configurationFile={log4j}", "-cp", cp]
+        if not (self.data_dir / "logs" / "meta.properties").is_file():
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            progress(f"formatting storage in {self.data_dir / 'logs'}")
+            fmt = subprocess.run(
+                [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)],
+                capture_output=True,
+                text=True,
+            )
+            if fmt.returncode != 0:
+                raise BrokerError(f"formatting Kafka storage failed:\n{(fmt.stdout + fmt.stderr)[-2000:]}")
+        heap = f"{self.cfg.heap_mb}m"
+        jvm = [
+            f"-Xms{min(256, self.cfg.heap_mb)}m",
+            f"-Xmx{heap}",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError",
+            "-Djava.awt.headless=true",
+        ]
+        with open(self.logfile, "ab") as out:
+            proc = subprocess.Popen(
+                [java[0], *jvm, *java[1:], "kafka.Kafka", str(props_file)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # not killed by the terminal's Ctrl-C; stopped by PID
+            )
+        self.pidfile.write_text(str(proc.pid))
+        state = {
+            "pid": proc.pid,
+            "port": port,
+            "controller_port": controller_port,
+            "bootstrap": f"{self.cfg.host}:{port}",
+            "data_dir": str(self.data_dir),
+            "started_at": time.time(),
+        }
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not self._ready(port):
+            if proc.poll() is not None:
+                self.pidfile.unlink(missing_ok=True)
+                raise BrokerError(
+                    f"broker exited with code {proc.returncode} during start; see {self.logfile}:\n{self.tail(30)}"
+                )
+            if time.monotonic() > deadline:
+                self._kill(proc.pid)
+                raise BrokerError(
+                    f"broker did not accept connections within {self.cfg.start_timeout_s}s; see {self.logfile}"
+                )
+            time.sleep(0.2)
+        self.statefile.write_text(json.dumps(state, indent=2))
+        (self.data_dir / "last-port").write_text(str(port))
+        state["start_s"] = round(time.monotonic() - t0, 2)
+        log.info("broker started %s", kv(pid=proc.pid, bootstrap=state["bootstrap"], start_s=state["start_s"]))
+        progress(f"broker running: pid {proc.pid} at {state['bootstrap']} (started in {state['start_s']}s)")
+        return state
+
+    def _previous_port(self) -> int | None:
+        """With broker.port = 0, a restart reuses the last port if free, so clients reconnect."""
+        try:
+            port = int((self.data_dir / "last-port").read_text())
+        except (OSError, ValueError):
+            return None
+        return None if port_open(self.cfg.host, port) else port
+
+    def _ready(self, port: int) -> bool:
+        if not port_open(self.cfg.host, port, timeout=0.2):
+            return False
+        from confluent_kafka.admin import AdminClient
+
+        try:
+            md = AdminClient({"bootstrap.servers": f"{self.cfg.host}:{port}"}).list_topics(timeout=2)
+            return bool(md.brokers)
+        except Exception:  # not ready yet
+            return False
+
+    # -- stop --------------------------------------------------------------------------------
+    def stop(self, timeout: float = 30.0, progress=print) -> bool:
+        """Stop the broker by its recorded PID. Returns False if none was running."""
+        try:
+            pid = int(self.pidfile.read_text())
+        except (OSError, ValueError):
+            progress("broker not running (no pidfile)")
+            return False
+        if not pid_alive(pid):
+            progress(f"broker not running (stale pid {pid})")
+            self._cleanup()
+            return False
+        self._kill(pid, timeout)
+        self._cleanup()
+        progress(f"broker stopped (pid {pid})")
+        return True
+
+    def _kill(self, pid: int, timeout: float = 30.0) -> None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid) and time.monotonic() < deadline:
+            _reap(pid)
+            time.sleep(0.1)
+        if pid_alive(pid):
+            log.warning("broker did not stop on SIGTERM; sending SIGKILL %s", kv(pid=pid))
+            os.kill(pid, signal.SIGKILL)
+            while pid_alive(pid):
+                _reap(pid)
+                time.sleep(0.05)
+        _reap(pid)
+
+    def _cleanup(self) -> None:
+        self.pidfile.unlink(missing_ok=True)
+        self.statefile.unlink(missing_ok=True)
+
+    def tail(self, lines: int = 50) -> str:
+        text = ""
+        for f in (self.logfile, self.data_dir / "kafka-server.log"):
+            if f.is_file():
+                text += "".join(f.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        return text
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass

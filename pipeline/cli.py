@@ -1,0 +1,186 @@
+"""The ``rlstream`` command line. One subcommand per role; each parses the config, imports heavy
+libraries only afterwards, and calls the role's ``run(config)``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.errors import RlstreamError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Asynchronous streaming RL post-training on Kafka.")
+broker_app = typer.Typer(no_args_is_help=True, help="The local Kafka broker (no Docker needed).")
+topics_app = typer.Typer(no_args_is_help=True, help="Create, describe and delete rlstream's topics.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved configuration.")
+app.add_typer(broker_app, name="broker")
+app.add_typer(topics_app, name="topics")
+app.add_typer(config_app, name="config")
+console = Console(stderr=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.", show_default=False)]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).", show_default=False)
+]
+_root: dict = {}
+
+
+@app.callback()
+def main(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """rlstream: rollout producers, reward and trainer consumers, joined by Kafka topics."""
+    _root["config"], _root["set"] = config, list(set_ or [])
+
+
+def load(config: Path | None = None, set_: list[str] | None = None):
+    """Resolve the config from root and command options, and set up logging."""
+    from pipeline.config import load_config
+    from pipeline.log import setup_logging
+
+    cfg = load_config(config or _root.get("config"), [*_root.get("set", []), *(set_ or [])])
+    setup_logging(cfg.log_level)
+    return cfg
+
+
+def run_cli() -> None:
+    """Console entry point: typed rlstream errors become one clear line and exit code 2."""
+    try:
+        app()
+    except RlstreamError as exc:
+        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        sys.exit(2)
+
+
+# ---- broker ---------------------------------------------------------------------------------
+@broker_app.command("start")
+def broker_start(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Start the local KRaft broker (downloads Kafka's jars with Maven on first use)."""
+    from pipeline.broker import LocalBroker
+
+    state = LocalBroker(load(config, set_).broker).start(progress=console.print)
+    print(state["bootstrap"])
+
+
+@broker_app.command("stop")
+def broker_stop(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Stop the local broker by its recorded PID."""
+    from pipeline.broker import LocalBroker
+
+    LocalBroker(load(config, set_).broker).stop(progress=console.print)
+
+
+@broker_app.command("status")
+def broker_status(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the local broker's state as JSON; exit 1 if it is not running."""
+    from pipeline.broker import LocalBroker
+
+    state = LocalBroker(load(config, set_).broker).state()
+    print(json.dumps(state or {"running": False}, indent=2))
+    raise typer.Exit(0 if state else 1)
+
+
+@broker_app.command("logs")
+def broker_logs(lines: int = typer.Option(50, "--lines", "-n"), config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the end of the local broker's logs."""
+    from pipeline.broker import LocalBroker
+
+    print(LocalBroker(load(config, set_).broker).tail(lines), end="")
+
+
+# ---- topics ---------------------------------------------------------------------------------
+@topics_app.command("create")
+def topics_create(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Create every configured topic; safe to run again (configs are brought in line)."""
+    from pipeline.admin import ensure_topics
+
+    for name, status in ensure_topics(load(config, set_)).items():
+        print(f"{name}\t{status}")
+
+
+@topics_app.command("describe")
+def topics_describe(
+    json_out: bool = typer.Option(False, "--json"), config: ConfigOpt = None, set_: SetOpt = None
+) -> None:
+    """Partitions, replication, configs and offsets of every configured topic."""
+    from pipeline.admin import Admin
+    from pipeline.kafka import client_conf
+
+    cfg = load(config, set_)
+    names = [cfg.topics.name(r) for r in cfg.topics.specs()]
+    infos = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s).describe(names, with_offsets=True)
+    if json_out:
+        print(
+            json.dumps(
+                {
+                    n: {
+                        "partitions": i.partitions,
+                        "replication_factor": i.replication_factor,
+                        "messages": i.messages,
+                        "configs": {
+                            k: i.configs.get(k) for k in ("retention.ms", "cleanup.policy", "max.message.bytes")
+                        },
+                    }
+                    for n, i in infos.items()
+                },
+                indent=2,
+            )
+        )
+        return
+    t = Table("topic", "partitions", "rf", "messages", "retention.ms", "cleanup", "max.message.bytes")
+    for n, i in infos.items():
+        t.add_row(
+            n,
+            str(i.partitions),
+            str(i.replication_factor),
+            str(i.messages),
+            i.configs.get("retention.ms", ""),
+            i.configs.get("cleanup.policy", ""),
+            i.configs.get("max.message.bytes", ""),
+        )
+    Console().print(t)
+
+
+@topics_app.command("delete")
+def topics_delete(
+    yes: bool = typer.Option(False, "--yes", help="Do not ask."), config: ConfigOpt = None, set_: SetOpt = None
+) -> None:
+    """Delete every configured topic (all their data)."""
+    from pipeline.admin import Admin
+    from pipeline.kafka import client_conf
+
+    cfg = load(config, set_)
+    names = [cfg.topics.name(r) for r in cfg.topics.specs()]
+    if not yes and not typer.confirm(f"delete {', '.join(names)}?"):
+        raise typer.Exit(1)
+    for name, status in Admin(client_conf(cfg, "admin")).delete_topics(names).items():
+        print(f"{name}\t{status}")
+
+
+# ---- config ---------------------------------------------------------------------------------
+@config_app.command("show")
+def config_show(json_out: bool = typer.Option(False, "--json"), config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the resolved configuration (defaults < file < RLSTREAM_* env < --set)."""
+    from pipeline.config import dump_toml
+
+    cfg = load(config, set_)
+    print(cfg.model_dump_json(indent=2) if json_out else dump_toml(cfg), end="" if not json_out else "\n")
+
+
+# ---- roles ----------------------------------------------------------------------------------
+def _not_yet(what: str) -> None:
+    console.print(f"rlstream {what}: not yet available in this version (see the README's roadmap).")
+    raise typer.Exit(3)
+
+
+@app.command()
+def demo(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Run the end-to-end demo on the embedded default (local broker, tiny model, toy task)."""
+    _not_yet("demo")
+
+
+if __name__ == "__main__":
+    run_cli()

@@ -1,0 +1,68 @@
+"""Typed errors of rlstream. Every error a user can cause or a worker can hit has a type here."""
+
+from __future__ import annotations
+
+
+class RlstreamError(Exception):
+    """Base class of all rlstream errors."""
+
+
+class ConfigError(RlstreamError):
+    """A configuration value is missing, unknown or out of bounds. The message names the key."""
+
+
+class SerializationError(RlstreamError):
+    """A value could not be encoded to Avro."""
+
+
+class DecodeError(RlstreamError):
+    """Bytes could not be decoded into a known schema.
+
+    Carries where the bytes came from, so a dead-letter record can name them.
+    """
+
+    def __init__(self, reason: str, *, topic=None, partition=None, offset=None, error_type="decode"):
+        self.reason = reason
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.error_type = error_type
+        where = ""
+        if topic is not None:
+            where = f" (topic={topic} partition={partition} offset={offset})"
+        super().__init__(f"{reason}{where}")
+
+    def located(self, topic: str, partition: int, offset: int) -> DecodeError:
+        return DecodeError(self.reason, topic=topic, partition=partition, offset=offset, error_type=self.error_type)
+
+
+class KafkaClientError(RlstreamError):
+    """A Kafka client operation failed. ``kafka_error`` is the confluent_kafka.KafkaError if any."""
+
+    def __init__(self, message: str, kafka_error=None):
+        self.kafka_error = kafka_error
+        super().__init__(message)
+
+    @property
+    def retriable(self) -> bool:
+        return bool(self.kafka_error is not None and self.kafka_error.retriable())
+
+    @property
+    def fatal(self) -> bool:
+        return bool(self.kafka_error is not None and self.kafka_error.fatal())
+
+
+class DeliveryError(KafkaClientError):
+    """A produced message was not delivered. Raised on the next produce() or flush()."""
+
+
+class ConsumeError(KafkaClientError):
+    """The consumer returned an error for a topic/partition."""
+
+
+class TopicError(KafkaClientError):
+    """Creating, describing or deleting a topic failed."""
+
+
+class BrokerError(RlstreamError):
+    """The local broker could not be set up, started or stopped."""

@@ -1,0 +1,1 @@
+"""Rollout side of rlstream: prompt feeding, rollout workers, generation engines, environments."""

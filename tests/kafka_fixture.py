@@ -1,0 +1,46 @@
+"""Where the test session's Kafka broker comes from: ``KAFKA_BOOTSTRAP`` if set, else
+testcontainers if a Docker engine answers, else the local KRaft broker (started and stopped
+by the session, in a temporary directory)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+
+def _docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+        return True
+    except Exception:  # no client library, no socket, no engine
+        return False
+
+
+@contextlib.contextmanager
+def kafka_broker() -> Iterator[tuple[str, str]]:
+    """Yield ``(bootstrap, source)`` for the session."""
+    if os.environ.get("KAFKA_BOOTSTRAP"):
+        yield os.environ["KAFKA_BOOTSTRAP"], "KAFKA_BOOTSTRAP"
+        return
+    if os.environ.get("RLSTREAM_TEST_DOCKER", "1") != "0" and _docker_engine_answers():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer("apache/kafka:4.1.1").with_kraft() as kc:
+            yield kc.get_bootstrap_server(), "testcontainers"
+        return
+    from pipeline.broker import LocalBroker
+    from pipeline.config import BrokerConfig
+
+    data = tempfile.mkdtemp(prefix="rlstream-test-broker-")
+    broker = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=512))
+    try:
+        state = broker.start(progress=lambda m: print(f"[kafka fixture] {m}"))
+        yield state["bootstrap"], "local broker"
+    finally:
+        broker.stop(progress=lambda m: print(f"[kafka fixture] {m}"))
+        shutil.rmtree(data, ignore_errors=True)

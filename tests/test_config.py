@@ -1,0 +1,61 @@
+"""Config loading: precedence, strictness, errors that name the key, TOML round trip."""
+
+import pytest
+
+from pipeline.config import dump_toml, load_config
+from pipeline.errors import ConfigError
+
+
+def test_defaults_are_valid():
+    cfg = load_config(environ={})
+    assert cfg.topics.name("rollouts") == "rl.rollouts"
+    assert cfg.topics.control.partitions == 1
+    assert cfg.rl.max_staleness >= 1
+
+
+def test_precedence_file_env_cli(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[rl]\nmax_staleness = 2\ngroup_size = 4\n[topics]\nprefix = 'file.'\n")
+    env = {"RLSTREAM_RL__MAX_STALENESS": "3", "RLSTREAM_TOPICS__PREFIX": "env."}
+    cfg = load_config(f, ["topics.prefix=cli."], environ=env)
+    assert cfg.rl.group_size == 4  # file
+    assert cfg.rl.max_staleness == 3  # env beats file
+    assert cfg.topics.prefix == "cli."  # --set beats env
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rl.max_stalenes=1", "rl.max_stalenes: unknown key"),
+        ("rl.max_staleness=-1", "rl.max_staleness"),
+        ("topics.control.partitions=3", "topics.control.partitions must be 1"),
+        ("broker.port=70000", "broker.port"),
+        ("topics.rollouts.max_message_bytes=99999999", "topics.rollouts.max_message_bytes"),
+        ("kafka=3", "kafka"),
+    ],
+)
+def test_errors_name_the_bad_key(override, key):
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides=[override], environ={})
+    assert key in str(ei.value)
+
+
+def test_bad_env_key_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="nosuch: unknown key"):
+        load_config(environ={"RLSTREAM_NOSUCH": "1"})
+    f = tmp_path / "bad.toml"
+    f.write_text("[rl\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", environ={})
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(overrides=["rl.max_staleness"], environ={})
+
+
+def test_dump_toml_round_trips(tmp_path):
+    cfg = load_config(overrides=["rl.max_staleness=4", 'kafka.producer={"linger.ms" = 7}'], environ={})
+    f = tmp_path / "resolved.toml"
+    f.write_text(dump_toml(cfg))
+    again = load_config(f, environ={})
+    assert again == cfg

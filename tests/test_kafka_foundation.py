@@ -1,0 +1,142 @@
+"""Foundation against a real broker: topics, producer/consumer wrappers, codec on the wire."""
+
+import os
+import random
+import shutil
+import time
+
+import pytest
+from confluent_kafka import TopicPartition
+
+from pipeline import codec
+from pipeline.admin import Admin, ensure_topics
+from pipeline.broker import pid_alive
+from pipeline.errors import DecodeError, DeliveryError
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message
+from tests.conftest import run_cli
+from tests.helpers import murmur2_partition
+from tests.test_codec import make_trajectory
+
+pytestmark = pytest.mark.kafka
+
+
+def consume_all(cfg, topic: str, expected: int, timeout: float = 120.0):
+    admin = Admin(client_conf(cfg, "test"))
+    parts = admin.describe([topic])[topic].partitions
+    c = Consumer(client_conf(cfg, "test", kind="consumer"))
+    c.assign([TopicPartition(topic, p, 0) for p in range(parts)])
+    out, deadline = [], time.monotonic() + timeout
+    try:
+        while len(out) < expected and time.monotonic() < deadline:
+            out.extend(c.consume(1000, 1.0))
+    finally:
+        c.close()
+    return out
+
+
+def test_topics_create_is_idempotent(make_config):
+    cfg = make_config(create=False)
+    first = ensure_topics(cfg)
+    assert set(first.values()) == {"created"} and len(first) == 6
+    assert set(ensure_topics(cfg).values()) == {"exists"}
+    # A changed spec is brought in line on the next run, not an error.
+    cfg2 = make_config("topics.rollouts.retention_ms=3600000", "topics.rollouts.partitions=10", create=False)
+    res = ensure_topics(cfg2)
+    assert res[cfg2.topics.name("rollouts")] == "updated"
+    info = Admin(client_conf(cfg2, "test")).describe([cfg2.topics.name("rollouts")])[cfg2.topics.name("rollouts")]
+    assert info.partitions == 10 and info.configs["retention.ms"] == "3600000"
+    assert info.configs["max.message.bytes"] == str(16 * 1024 * 1024)
+
+
+def test_topics_cli_twice(cli_env, kafka_bootstrap):
+    out1 = run_cli(["topics", "create"], cli_env).stdout
+    out2 = run_cli(["topics", "create"], cli_env).stdout
+    assert out1.count("created") == 6 and out2.count("exists") == 6
+    desc = run_cli(["topics", "describe", "--json"], cli_env).stdout
+    assert f"{cli_env['RLSTREAM_TOPICS__PREFIX']}control" in desc
+    run_cli(["topics", "delete", "--yes"], cli_env)
+    assert run_cli(["topics", "create"], cli_env).stdout.count("created") == 6
+
+
+def test_10k_trajectories_round_trip_byte_exact(make_config):
+    cfg = make_config()
+    topic = cfg.topics.name("rollouts")
+    parts = cfg.topics.rollouts.partitions
+    rng = random.Random(0)
+    sent: dict[tuple[bytes, int], bytes] = {}
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        for i in range(10_000):
+            t = make_trajectory(i // 10, 0, rng)
+            t["prompt_tokens"] = codec.pack_i32(rng.randrange(50_000) for _ in range(512))
+            t["response_tokens"] = codec.pack_i32(rng.randrange(50_000) for _ in range(768))
+            t["logprobs"] = codec.pack_f32(-rng.random() for _ in range(768))
+            t["trajectory_id"] = f"g{i // 10}/{i % 10}"
+            value = codec.encode("Trajectory", t)
+            key = t["group_id"].encode()
+            sent[(key, i % 10)] = value
+            p.produce(topic, value, key=key, headers={"i": str(i % 10)})
+    assert 8000 <= len(value) <= 8600  # about 8 KB each
+    msgs = consume_all(cfg, topic, 10_000)
+    assert len(msgs) == 10_000
+    seen = set()
+    group_partition: dict[bytes, int] = {}
+    for m in msgs:
+        key = m.key()
+        idx = int(dict(m.headers())["i"])
+        assert m.value() == sent[(key, idx)]  # byte-exact
+        assert m.partition() == murmur2_partition(key, parts)  # Java-compatible keyed placement
+        assert group_partition.setdefault(key, m.partition()) == m.partition()
+        seen.add((key, idx))
+        decode_message(m, "Trajectory")
+    assert len(seen) == 10_000  # no duplicates
+    assert len(set(group_partition.values())) == parts  # keys spread over every partition
+
+
+def test_undecodable_bytes_raise_typed_error(make_config):
+    cfg = make_config()
+    topic = cfg.topics.name("prompts")
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        p.produce(topic, b"\x00garbage", key=b"k", partition=2)
+        p.produce(topic, codec.MAGIC + b"\x01" * 8 + b"x", key=b"k", partition=2)
+    msgs = consume_all(cfg, topic, 2)
+    with pytest.raises(DecodeError) as ei:
+        decode_message(msgs[0], "Prompt")
+    e = ei.value
+    assert (e.topic, e.partition, e.offset) == (topic, 2, 0)
+    assert f"topic={topic} partition=2 offset=0" in str(e)
+    with pytest.raises(DecodeError) as ei:
+        decode_message(msgs[1], "Prompt")
+    assert ei.value.error_type == "schema" and ei.value.offset == 1
+
+
+def test_delivery_error_is_raised_not_lost(make_config):
+    cfg = make_config()
+    p = Producer({**client_conf(cfg, "test", kind="producer"), "message.timeout.ms": 2000})
+    p.produce(cfg.topics.prefix + "does-not-exist", b"x")
+    with pytest.raises(DeliveryError):
+        p.flush(10)
+    p.produce(cfg.topics.name("dlq"), b"ok")  # the error was raised once, the producer still works
+    p.flush(10)
+    assert p.failed == 1 and p.delivered == 1
+
+
+@pytest.mark.skipif(shutil.which("mvn") is None or shutil.which("java") is None, reason="needs java and mvn")
+def test_broker_cli_lifecycle(tmp_path):
+    """`rlstream broker start|status|logs|stop` on its own data dir; stop leaves no process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
+    env.update(RLSTREAM_BROKER__DATA_DIR=str(tmp_path / "b"), RLSTREAM_BROKER__PORT="0", RLSTREAM_BROKER__HEAP_MB="384")
+    try:
+        started = run_cli(["broker", "start"], env, timeout=300)
+        bootstrap = started.stdout.strip().splitlines()[-1]
+        again = run_cli(["broker", "start"], env)
+        assert "already running" in again.stderr
+        status = run_cli(["broker", "status"], env)
+        assert bootstrap in status.stdout
+        pid = int((tmp_path / "b" / "broker.pid").read_text())
+        assert "Kafka" in run_cli(["broker", "logs", "-n", "200"], env).stdout
+        env_c = {**env, "RLSTREAM_KAFKA__BOOTSTRAP_SERVERS": bootstrap}
+        assert run_cli(["topics", "create"], env_c).stdout.count("created") == 6
+    finally:
+        run_cli(["broker", "stop"], env, check=False)
+    assert run_cli(["broker", "status"], env, check=False).returncode == 1
+    assert not pid_alive(pid)  # gone (a zombie awaiting its reaper counts as gone)
