@@ -22,6 +22,7 @@ from consumers.reward.config import RewardConfig
 from consumers.trainer.config import TrainerConfig
 from pipeline.configbase import StrictModel
 from pipeline.errors import ConfigError
+from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
 
 ENV_PREFIX = "RLSTREAM_"
@@ -133,6 +134,10 @@ class Config(StrictModel):
     topics: TopicsConfig = TopicsConfig()
     broker: BrokerConfig = BrokerConfig()
     rl: RLConfig = RLConfig()
+    model: ModelConfig = TinyModelConfig()
+    """The policy: ``type = "tiny"`` (random init, built in code) or ``type = "pretrained"``."""
+    checkpoint_store: str = ""
+    """fsspec URI where the trainer publishes weights; empty: ``<run_dir>/checkpoints``."""
     feed: FeedConfig = FeedConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
@@ -141,6 +146,10 @@ class Config(StrictModel):
     """Standard-library logging level of every role."""
     run_dir: Path = Path("runs")
     """Where roles write resolved configs, reports and checkpoints by default."""
+
+    @property
+    def store(self) -> str:
+        return self.checkpoint_store or str(Path(self.run_dir).resolve() / "checkpoints")
 
     @model_validator(mode="after")
     def _cross_check(self):
@@ -155,6 +164,14 @@ class Config(StrictModel):
 
 
 # ---- loading ------------------------------------------------------------------------------
+
+
+def write_resolved(cfg: Config, name: str) -> Path:
+    """Write the resolved config to ``<run_dir>/<name>.resolved.toml`` (every role at start-up)."""
+    path = Path(cfg.run_dir) / f"{name}.resolved.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(cfg))
+    return path
 
 
 def parse_value(text: str) -> Any:

@@ -1,0 +1,139 @@
+"""The policy model's description, shared by rollout engines and trainers.
+
+``model.type = "tiny"`` builds a small random-init Llama with a character-level tokenizer in
+code (nothing is downloaded), deterministically from a seed, so every role starts from the
+same version-0 weights. ``model.type = "pretrained"`` names a local HF model directory.
+``materialize`` turns either into a directory that every engine (HF, vLLM, trainers) loads.
+
+torch and transformers are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pipeline.configbase import StrictModel
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+MODEL_CACHE = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache" / "rlstream")) / "models"
+
+
+class TinyModelConfig(StrictModel):
+    type: Literal["tiny"] = "tiny"
+    hidden_size: int = Field(128, ge=8, le=4096)
+    """Width of the random-init Llama."""
+    num_layers: int = Field(2, ge=1, le=64)
+    """Decoder layers."""
+    num_heads: int = Field(4, ge=1, le=64)
+    """Attention heads (must divide hidden_size)."""
+    intermediate_size: int = Field(256, ge=8)
+    """MLP width."""
+    max_position_embeddings: int = Field(512, ge=16)
+    """Longest prompt + response in tokens."""
+    charset: str = CHARSET
+    """Characters of the character-level vocabulary (after <pad> <bos> <eos> <unk>)."""
+    seed: int = 0
+    """Init seed: the same seed gives the same version-0 weights in every process."""
+
+    def key(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+class PretrainedModelConfig(StrictModel):
+    type: Literal["pretrained"] = "pretrained"
+    path: Path
+    """Local directory with config.json, weights and tokenizer (HF format). Never downloaded."""
+
+
+ModelConfig = Annotated[TinyModelConfig | PretrainedModelConfig, Field(discriminator="type")]
+
+
+def build_char_tokenizer(charset: str = CHARSET):
+    """A character-level ``PreTrainedTokenizerFast`` built in code."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *dict.fromkeys(charset)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def build_tiny_model(cfg: TinyModelConfig):
+    """(model, tokenizer) with deterministic random init."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_char_tokenizer(cfg.charset)
+    lc = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(lc)
+    return model.float().eval(), tok
+
+
+def materialize(cfg, cache_dir: Path | None = None) -> Path:
+    """A directory holding the model (config, safetensors weights, tokenizer). Idempotent and
+    safe when several processes call it at once (built in a temp dir, then renamed)."""
+    if isinstance(cfg, PretrainedModelConfig):
+        if not (cfg.path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {cfg.path} has no config.json")
+        return cfg.path
+    root = Path(cache_dir or MODEL_CACHE)
+    target = root / f"tiny-{cfg.key()}"
+    if (target / "done.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+    try:
+        model, tok = build_tiny_model(cfg)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "done.json").write_text(json.dumps(cfg.model_dump()))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            if not (target / "done.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(path: Path, dtype: str = "float32", device: str = "cpu"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    return model.to(device)
