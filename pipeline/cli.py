@@ -170,6 +170,37 @@ def config_show(json_out: bool = typer.Option(False, "--json"), config: ConfigOp
     print(cfg.model_dump_json(indent=2) if json_out else dump_toml(cfg), end="" if not json_out else "\n")
 
 
+@app.command()
+def status(
+    json_out: bool = typer.Option(False, "--json", help="Print one snapshot as JSON."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
+    interval: float = typer.Option(2.0, "--interval", help="Seconds between the two offset samples."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Where is the bottleneck? Lag per stage (records and versions), versions, throughput, DLQ."""
+    from pipeline.status import StatusReader, render
+
+    reader = StatusReader(load(config, set_))
+    try:
+        if json_out:
+            print(json.dumps(reader.snapshot(interval), indent=2, default=str))
+            return
+        out = Console()
+        if not watch:
+            out.print(render(reader.snapshot(interval)))
+            return
+        from rich.live import Live
+
+        with Live(render(reader.snapshot(interval)), console=out, refresh_per_second=1) as live:
+            while True:
+                live.update(render(reader.snapshot(interval)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reader.close()
+
+
 # ---- roles ----------------------------------------------------------------------------------
 def _not_yet(what: str) -> None:
     console.print(f"rlstream {what}: not yet available in this version (see the README's roadmap).")

@@ -1,0 +1,227 @@
+"""``rlstream status``: where is the bottleneck? Built from Kafka alone (topic offsets, group
+offsets, rl.control, rl.metrics, rl.dlq), so it works from any machine that reaches the cluster.
+
+Per stage (prompts → rollout group, rollouts → reward group, scored → trainer group): produced
+records, committed position, lag in records per partition, lag in policy versions (trainer version
+minus ``version_min`` of the oldest unconsumed record), and throughput from two offset samples
+``interval`` seconds apart. Plus the trainer's version, each rollout worker's loaded version,
+DLQ counts by reason, stale-dropped counts and the newest metrics per worker.
+
+It only reads; it never commits or joins a group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from confluent_kafka import TopicPartition
+
+from pipeline import codec
+from pipeline.admin import Admin
+from pipeline.errors import DecodeError
+from pipeline.kafka import Consumer, client_conf
+
+STAGES = (  # stage, input topic role, consumer group attribute, output topic role
+    ("rollout", "prompts", "rollout", "rollouts"),
+    ("reward", "rollouts", "reward", "scored"),
+    ("trainer", "scored", "trainer", None),
+)
+
+
+def _group_id(cfg, section: str) -> str | None:
+    return getattr(getattr(cfg, section, None), "group_id", None)
+
+
+class StatusReader:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.admin = Admin(client_conf(cfg, "status"), cfg.kafka.request_timeout_s)
+        self.consumer = Consumer(client_conf(cfg, "status", kind="consumer"))
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    # -- raw reads ---------------------------------------------------------------------------
+    def _read_all(self, topic: str, limit: int = 200_000) -> list:
+        marks = self.admin.watermarks(topic)
+        todo = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
+        if not todo:
+            return []
+        self.consumer.assign([TopicPartition(topic, p, marks[p][0]) for p in todo])
+        out, deadline = [], time.monotonic() + 30
+        done: set[int] = set()
+        while len(done) < len(todo) and len(out) < limit and time.monotonic() < deadline:
+            for m in self.consumer.consume(1000, 0.5):
+                out.append(m)
+                if m.offset() >= todo[m.partition()] - 1:
+                    done.add(m.partition())
+            # transactional markers occupy offsets, so also stop on position
+            pos = self.consumer.client.position([TopicPartition(topic, p) for p in todo])
+            done |= {tp.partition for tp in pos if tp.offset >= 0 and tp.offset >= todo[tp.partition]}
+        self.consumer.client.unassign()
+        return out
+
+    def _record_at(self, topic: str, partition: int, offset: int, hi: int) -> dict | None:
+        """Decode the first record at or after ``offset`` (skipping transaction markers)."""
+        if offset >= hi:
+            return None
+        self.consumer.assign([TopicPartition(topic, partition, offset)])
+        try:
+            for _ in range(10):
+                for m in self.consumer.consume(1, 0.5):
+                    try:
+                        return codec.decode(m.value())[1]
+                    except DecodeError:
+                        return None
+            return None
+        finally:
+            self.consumer.client.unassign()
+
+    # -- views -------------------------------------------------------------------------------
+    def control(self) -> dict:
+        updates = []
+        for m in self._read_all(self.cfg.topics.name("control")):
+            try:
+                name, rec = codec.decode(m.value())
+            except DecodeError:
+                continue
+            if name == "WeightUpdate":
+                updates.append(rec)
+        latest = max(updates, key=lambda r: r["version"], default=None)
+        return {
+            "trainer_version": latest["version"] if latest else 0,
+            "weight_updates": len(updates),
+            "latest_update": latest,
+        }
+
+    def metrics(self, window_s: float = 600) -> dict[str, dict]:
+        """Newest MetricEvent per role/worker within the window."""
+        newest: dict[str, dict] = {}
+        cutoff = time.time() * 1000 - window_s * 1000
+        for m in self._read_all(self.cfg.topics.name("metrics")):
+            try:
+                rec = codec.decode_as(m.value(), "MetricEvent")
+            except DecodeError:
+                continue
+            key = f"{rec['role']}/{rec['worker_id']}"
+            if rec["timestamp_ms"] >= cutoff and (
+                key not in newest or rec["timestamp_ms"] >= newest[key]["timestamp_ms"]
+            ):
+                newest[key] = rec
+        return newest
+
+    def dlq(self) -> dict[str, int]:
+        counts: Counter = Counter()
+        for m in self._read_all(self.cfg.topics.name("dlq")):
+            try:
+                counts[codec.decode_as(m.value(), "DeadLetter")["error_type"]] += 1
+            except DecodeError:
+                counts["undecodable_dead_letter"] += 1
+        return dict(counts)
+
+    def offsets(self) -> dict[str, dict]:
+        out = {}
+        for stage, in_role, section, _ in STAGES:
+            topic = self.cfg.topics.name(in_role)
+            marks = self.admin.watermarks(topic)
+            group = _group_id(self.cfg, section)
+            committed = self.admin.committed(group, topic, len(marks)) if group else {}
+            out[stage] = {"topic": topic, "group": group, "marks": marks, "committed": committed}
+        return out
+
+    def snapshot(self, interval: float = 2.0) -> dict:
+        t0 = time.time()
+        first = self.offsets()
+        time.sleep(interval)
+        second = self.offsets()
+        dt = time.time() - t0
+        ctl = self.control()
+        version = ctl["trainer_version"]
+        stages = {}
+        for stage, in_role, _, _ in STAGES:
+            a, b = first[stage], second[stage]
+            parts = {}
+            for p, (lo, hi) in b["marks"].items():
+                c = b["committed"].get(p, -1)
+                pos = c if c >= 0 else lo
+                rec = self._record_at(b["topic"], p, pos, hi) if in_role != "prompts" and hi > pos else None
+                vmin = (rec.get("trajectory", rec) or {}).get("version_min") if rec else None
+                parts[p] = {
+                    "end_offset": hi,
+                    "committed": c,
+                    "lag": hi - pos,
+                    "lag_versions": (version - vmin) if vmin is not None else 0,
+                }
+            produced = sum(hi for _, hi in b["marks"].values()) - sum(hi for _, hi in a["marks"].values())
+            consumed = sum(max(c, 0) for c in b["committed"].values()) - sum(max(c, 0) for c in a["committed"].values())
+            stages[stage] = {
+                "input_topic": b["topic"],
+                "group": b["group"],
+                "lag": sum(x["lag"] for x in parts.values()),
+                "max_lag_versions": max((x["lag_versions"] for x in parts.values()), default=0),
+                "input_records_per_s": round(produced / dt, 2),
+                "consumed_records_per_s": round(consumed / dt, 2),
+                "partitions": parts,
+            }
+        mets = self.metrics()
+        rollout_versions = {k.split("/", 1)[1]: r["version"] for k, r in mets.items() if r["role"] == "rollout"}
+        stale = sum(
+            v
+            for r in mets.values()
+            if r["role"] == "trainer"
+            for k, v in r["metrics"].items()
+            if "stale" in k and not k.endswith("_rate")
+        )
+        return {
+            "time": t0,
+            "interval_s": round(dt, 2),
+            "trainer_version": version,
+            "weight_updates": ctl["weight_updates"],
+            "rollout_loaded_versions": rollout_versions,
+            "stages": stages,
+            "dlq": self.dlq(),
+            "stale_dropped": stale,
+            "workers": {
+                k: {
+                    "role": r["role"],
+                    "version": r["version"],
+                    "age_s": round(time.time() - r["timestamp_ms"] / 1000, 1),
+                    "metrics": {m: round(v, 4) for m, v in sorted(r["metrics"].items())},
+                }
+                for k, r in mets.items()
+            },
+        }
+
+
+def render(snap: dict):
+    """A rich renderable of a snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+
+    t = Table(title=f"rlstream status — trainer version {snap['trainer_version']}", expand=False)
+    for col in ("stage", "input topic", "group", "lag (records)", "lag (versions)", "in/s", "consumed/s"):
+        t.add_column(col)
+    for stage, s in snap["stages"].items():
+        t.add_row(
+            stage,
+            s["input_topic"],
+            s["group"] or "-",
+            str(s["lag"]),
+            str(s["max_lag_versions"]),
+            f"{s['input_records_per_s']:.1f}",
+            f"{s['consumed_records_per_s']:.1f}",
+        )
+    w = Table(title="workers")
+    for col in ("worker", "version", "age s", "key metrics"):
+        w.add_column(col)
+    for k, r in sorted(snap["workers"].items()):
+        keys = [m for m in r["metrics"] if m.endswith("_rate")][:4]
+        w.add_row(k, str(r["version"]), str(r["age_s"]), ", ".join(f"{m}={r['metrics'][m]:.2f}" for m in keys))
+    extra = Table(show_header=False)
+    extra.add_row("DLQ by reason", ", ".join(f"{k}: {v}" for k, v in snap["dlq"].items()) or "empty")
+    extra.add_row("stale dropped", str(int(snap["stale_dropped"])))
+    extra.add_row(
+        "rollout versions", ", ".join(f"{k}: v{v}" for k, v in snap["rollout_loaded_versions"].items()) or "-"
+    )
+    return Group(t, w, extra)
