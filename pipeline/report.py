@@ -1,0 +1,93 @@
+"""Run reports: a JSON file and PNG plots (reward vs step, staleness distribution, throughput
+over time) from the trainer's per-step MetricEvents. Used by ``rlstream demo`` and benchmarks.
+
+matplotlib is imported only when plotting (the ``plots`` extra); without it the JSON is still
+written and the plots are skipped with a message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def staleness_histogram(steps: list[dict]) -> dict[int, int]:
+    """Sum the per-step ``staleness_<d>`` counts into one histogram {d: samples}."""
+    hist: dict[int, int] = {}
+    for s in steps:
+        for k, v in s.get("staleness", {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + int(v)
+    return dict(sorted(hist.items()))
+
+
+def write_report(run_dir: Path, report: dict) -> Path:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "report.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    return path
+
+
+def plot_report(run_dir: Path, report: dict) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed; skipping plots (pip install 'rlstream[plots]')")
+        return []
+    run_dir = Path(run_dir)
+    steps = report.get("steps", [])
+    out = []
+    if steps:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs = [s["step"] for s in steps]
+        ax.plot(xs, [s["reward_mean"] for s in steps], lw=1, alpha=0.5, label="batch mean")
+        w = max(1, len(xs) // 20)
+        smooth = [
+            sum(s["reward_mean"] for s in steps[max(0, i - w + 1) : i + 1]) / len(steps[max(0, i - w + 1) : i + 1])
+            for i in range(len(steps))
+        ]
+        ax.plot(xs, smooth, lw=2, label=f"moving mean ({w} steps)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("reward")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(report.get("title", "reward vs step"))
+        ax.legend(loc="lower right")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out.append(_save(fig, run_dir / "reward.png"))
+
+        hist = staleness_histogram(steps)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar([str(k) for k in hist], list(hist.values()))
+        ax.set_xlabel("staleness (trainer version − version_min)")
+        ax.set_ylabel("samples trained")
+        ax.set_title(f"staleness distribution (k = {report.get('max_staleness', '?')})")
+        fig.tight_layout()
+        out.append(_save(fig, run_dir / "staleness.png"))
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        t0 = steps[0]["time"]
+        ts = [s["time"] - t0 for s in steps]
+        rates = [s.get("samples_per_s", 0.0) for s in steps]
+        ax.plot(ts, rates, lw=1.5)
+        ax.set_xlabel("seconds since first step")
+        ax.set_ylabel("samples/s (trainer)")
+        ax.set_title("throughput over time")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out.append(_save(fig, run_dir / "throughput.png"))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
