@@ -208,6 +208,15 @@ def _not_yet(what: str) -> None:
 
 
 @app.command()
+def reward(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Run a reward worker: score rollouts into the scored topic exactly once (one consumer-group member)."""
+    cfg = load(config, set_)
+    from consumers.reward.worker import run
+
+    run(cfg)
+
+
+@app.command()
 def demo(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Run the end-to-end demo on the embedded default (local broker, tiny model, toy task)."""
     _not_yet("demo")

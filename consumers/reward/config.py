@@ -1,14 +1,115 @@
-"""Configuration of the reward workers."""
+"""Configuration of the reward workers: the consumer group and transactions, batching, the scoring
+pool, which reward functions score which task, sandbox limits and metrics.
+
+Only validation lives here; the worker (``consumers.reward.worker``) interprets the values.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+import math
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
 
 from pipeline.configbase import StrictModel
+
+
+class RewardSpec(StrictModel):
+    """One reward function in a weighted sum."""
+
+    name: str = Field(min_length=1)
+    """A built-in (exact_match, regex, format, math, code, http, openai_judge) or ``module:function``."""
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
+    """Multiplies this function's reward before the terms are summed."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the built-in's factory, or extra keyword arguments of ``module:function``."""
+
+
+class SandboxConfig(StrictModel):
+    """Default limits of the code-execution sandbox (the ``code`` reward may override them)."""
+
+    wall_s: float = Field(5.0, gt=0, le=600)
+    """Wall-time limit of one program run (one test case)."""
+    cpu_s: int = Field(2, ge=1, le=600)
+    """RLIMIT_CPU of the program, seconds."""
+    memory_mb: int = Field(512, ge=32, le=65536)
+    """RLIMIT_AS of the program (address space), MiB."""
+    max_processes: int = Field(16, ge=1, le=4096)
+    """RLIMIT_NPROC: processes (and threads) the program may have at once."""
+    max_output_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Largest stdout (and stderr) kept; a program that writes more is killed and fails."""
+    max_open_files: int = Field(64, ge=16, le=65536)
+    """RLIMIT_NOFILE of the program."""
+    network: Literal["deny", "allow"] = "deny"
+    """deny: run the program in a new, empty network namespace where the OS allows it."""
+    require_isolation: bool = False
+    """True: fail the run (score 0) when network isolation or the uid drop is unavailable."""
+    uid_base: int = Field(200_000, ge=1000, le=4_000_000_000)
+    """As root, programs run as uid ``uid_base + pid of the scoring process`` (unique, no login)."""
+    python: str | None = None
+    """Interpreter that runs the programs. None: the worker's own."""
+    python_flags: list[str] = Field(default_factory=lambda: ["-I"])
+    """Flags given to that interpreter (``-I``: isolated mode)."""
 
 
 class RewardConfig(StrictModel):
     group_id: str = "rlstream-reward"
     """Consumer group of the reward workers."""
-    timeout_s: float = Field(10.0, gt=0)
-    """Wall-time limit of one reward call."""
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Wall-time limit of one reward call (all terms for one trajectory); past it -> DLQ reward_timeout."""
+    worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
+    """This worker's id. None: ``<hostname>-<pid>``. Keep it stable across restarts so the
+    transactional id (and with it zombie fencing) carries over."""
+    group_instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
+    """Static membership (``group.instance.id``): a restart within the session timeout keeps the
+    partitions without a rebalance. None: dynamic membership."""
+    transactional_id_prefix: str = Field("rlstream-reward", pattern=r"^[A-Za-z0-9._-]+$")
+    """The worker's ``transactional.id`` is ``<prefix>-<worker_id>``."""
+    max_batch_size: int = Field(32, ge=1, le=100_000)
+    """Most rollouts scored and committed in one transaction."""
+    max_batch_ms: int = Field(500, ge=1, le=600_000)
+    """Longest a batch waits to fill once its first message arrived."""
+    idle_poll_s: float = Field(0.5, gt=0, le=60)
+    """How long one poll waits for a first message when idle."""
+    transaction_timeout_ms: int = Field(60_000, ge=1000, le=900_000)
+    """``transaction.timeout.ms``: the broker aborts a transaction left open this long."""
+    session_timeout_ms: int = Field(45_000, ge=1000, le=3_600_000)
+    """``session.timeout.ms`` of the group (the broker's minimum is usually 6000)."""
+    max_poll_interval_ms: int = Field(600_000, ge=1000, le=86_400_000)
+    """``max.poll.interval.ms``; must exceed the worst-case time to score one batch."""
+    executor: Literal["process", "thread"] = "process"
+    """process: a pool of processes (CPU-bound verifiers; a hung call is killed). thread: threads
+    in the worker (cheap rewards; a hung call is abandoned, not killed)."""
+    pool_size: int = Field(2, ge=1, le=1024)
+    """Processes (or threads) scoring in parallel."""
+    default: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="exact_match")])
+    """Reward for tasks not in ``tasks``: weighted sum of these. Empty: such tasks go to the DLQ."""
+    tasks: dict[str, list[RewardSpec]] = Field(default_factory=dict)
+    """Task name -> weighted sum of reward functions for that task."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Limits of the code-execution sandbox."""
+    metrics_interval_s: float = Field(10.0, gt=0, le=3600)
+    """How often a MetricEvent goes to the metrics topic."""
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus /metrics on this port; 0 = disabled."""
+    reward_buckets: list[float] = Field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0], max_length=32)
+    """Upper bounds of the per-task reward histogram (counts of rewards <= bound)."""
+    chaos_delay_in_txn_ms: int = Field(0, ge=0, le=60_000)
+    """Fault-injection knob for tests: sleep this long inside each transaction, after producing and
+    before committing. 0 (always, in production) = off."""
+
+    @model_validator(mode="after")
+    def _check(self):
+        if any(not math.isfinite(b) for b in self.reward_buckets) or self.reward_buckets != sorted(
+            set(self.reward_buckets)
+        ):
+            raise ValueError("reward.reward_buckets must be finite, strictly increasing")
+        worst_s = self.timeout_s * math.ceil(self.max_batch_size / self.pool_size) + self.max_batch_ms / 1000
+        if self.max_poll_interval_ms / 1000 <= worst_s:
+            raise ValueError(
+                f"reward.max_poll_interval_ms={self.max_poll_interval_ms} must exceed the worst-case batch time "
+                f"timeout_s * ceil(max_batch_size / pool_size) + max_batch_ms = {worst_s:.1f} s"
+            )
+        if self.chaos_delay_in_txn_ms >= self.transaction_timeout_ms:
+            raise ValueError("reward.chaos_delay_in_txn_ms must be below reward.transaction_timeout_ms")
+        return self

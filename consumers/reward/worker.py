@@ -1,0 +1,354 @@
+"""The reward worker (``rlstream reward``): a member of the reward consumer group that scores
+rollouts into the scored topic exactly once.
+
+Loop: collect a batch (up to ``max_batch_size`` messages or ``max_batch_ms``), decode and score it
+in the pool (no consumer call while scoring), then in ONE Kafka transaction produce a
+ScoredTrajectory per good message and a DeadLetter per bad one (undecodable, wrong schema, reward
+raised, reward timed out), send the batch's next offsets with the consumer's group metadata, and
+commit. The transaction is never open across a consumer poll, so a rebalance callback never sees
+one in flight: on revoke the worker only drops the uncommitted buffered messages of the revoked
+partitions (their next owner re-reads them from the committed offsets). If a transaction fails
+with a non-fatal error it is aborted and the consumer seeks back to the batch's first offsets, so
+nothing is skipped. A fatal error (e.g. fenced by a newer instance with the same transactional id)
+stops the worker with an error.
+
+What it is not: it never commits offsets outside a transaction and never writes partial batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from confluent_kafka import TopicPartition
+
+from consumers.reward.metrics import RewardMetrics
+from consumers.reward.pool import make_pool
+from pipeline.admin import Admin
+from pipeline.config import write_resolved
+from pipeline.control import now_ms
+from pipeline.errors import DecodeError, KafkaClientError, TopicError
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message, next_offsets
+from pipeline.log import kv
+
+log = logging.getLogger(__name__)
+
+
+class RewardWorker:
+    def __init__(self, cfg):
+        self.cfg, self.rc = cfg, cfg.reward
+        self.worker_id = self.rc.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.transactional_id = f"{self.rc.transactional_id_prefix}-{self.worker_id}"
+        self.topic_in = cfg.topics.name("rollouts")
+        self.topic_out = cfg.topics.name("scored")
+        self.topic_dlq = cfg.topics.name("dlq")
+        self.topic_metrics = cfg.topics.name("metrics")
+        self._stop = threading.Event()
+        self._signals = 0
+        self._buffer: list = []
+        self._in_txn = False
+        self.pool = self.producer = self.consumer = self.metrics = self._metrics_producer = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Finish (commit) the batch being scored, then leave the group and close."""
+        self._stop.set()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            raise KeyboardInterrupt  # second signal: abort the open transaction and exit now
+        log.info("stopping after the current batch %s", kv(signal=signal.Signals(signum).name))
+        self._stop.set()
+
+    def _kafka_settings(self, base: dict, settings: dict, user: dict) -> dict:
+        """Role settings under the user's explicit ``kafka.*`` extras, which win."""
+        conf = dict(base)
+        for k, v in settings.items():
+            if k not in user and k not in self.cfg.kafka.common:
+                conf[k] = v
+        return conf
+
+    def _check_topics(self) -> None:
+        admin = Admin(client_conf(self.cfg, "reward-admin", self.worker_id), self.cfg.kafka.request_timeout_s)
+        missing = {self.topic_in, self.topic_out, self.topic_dlq, self.topic_metrics} - admin.list_topics()
+        if missing:
+            raise TopicError(f"topic(s) missing: {', '.join(sorted(missing))} (run `rlstream topics create`)")
+
+    def start(self) -> None:
+        cfg, rc = self.cfg, self.rc
+        path = write_resolved(cfg, f"reward-{self.worker_id}")
+        self._check_topics()
+        self.pool = make_pool(rc, cfg.log_level)
+        pconf = self._kafka_settings(
+            client_conf(cfg, "reward", self.worker_id, "producer"),
+            {"transaction.timeout.ms": rc.transaction_timeout_ms},
+            cfg.kafka.producer,
+        )
+        self.producer = Producer(pconf, transactional_id=self.transactional_id)
+        self.producer.init_transactions(max(60.0, rc.transaction_timeout_ms / 1000 + 30))  # fences a zombie
+        self._metrics_producer = Producer(client_conf(cfg, "reward-metrics", self.worker_id, "producer"))
+        self.metrics = RewardMetrics(self.worker_id, rc, self._metrics_producer, self.topic_metrics)
+        cconf = self._kafka_settings(
+            client_conf(cfg, "reward", self.worker_id, "consumer"),
+            {
+                "session.timeout.ms": rc.session_timeout_ms,
+                "heartbeat.interval.ms": max(100, rc.session_timeout_ms // 4),
+                "max.poll.interval.ms": rc.max_poll_interval_ms,
+                **({"group.instance.id": rc.group_instance_id} if rc.group_instance_id else {}),
+            },
+            cfg.kafka.consumer,
+        )
+        cconf["isolation.level"] = "read_committed"  # never score a rollout that was rolled back
+        self.consumer = Consumer(cconf, group_id=rc.group_id)
+        self.consumer.subscribe(
+            [self.topic_in], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+        log.info(
+            "reward worker started %s",
+            kv(
+                worker_id=self.worker_id,
+                transactional_id=self.transactional_id,
+                group=rc.group_id,
+                static_member=rc.group_instance_id or "-",
+                topic=self.topic_in,
+                executor=rc.executor,
+                pool_size=rc.pool_size,
+                config=path,
+            ),
+        )
+
+    def run(self) -> None:
+        """Start, score until ``stop()`` (or SIGTERM/SIGINT when on the main thread), then close."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self.start()
+            while not self._stop.is_set():
+                batch = self._collect()
+                if batch and not self._stop.is_set():  # on stop, an unscored batch is dropped, not committed
+                    self._process(batch)
+                self.metrics.maybe_publish()
+                self._metrics_producer.poll(0)
+        except BaseException:
+            self.close(failing=True)  # close what can be closed; the original error propagates
+            raise
+        self.close()
+
+    def close(self, failing: bool = False) -> None:
+        """Abort an open transaction, leave the group, stop the pool, publish final metrics, flush.
+        With ``failing`` (an error is propagating) a step that fails is logged, not raised."""
+        steps = [
+            ("abort", self._abort_on_exit),
+            ("consumer", self._close_consumer),  # leaves the group (a static member keeps its slot)
+            ("pool", self._close_pool),
+            ("metrics", self._close_metrics),
+            ("producers", self._close_producers),
+        ]
+        for name, step in steps:
+            try:
+                step(failing)
+            except Exception as exc:
+                if not failing:
+                    raise
+                log.warning("error while closing %s", kv(step=name, error=f"{type(exc).__name__}: {exc}"))
+        log.info("reward worker stopped %s", kv(worker_id=self.worker_id))
+
+    def _abort_on_exit(self, failing: bool) -> None:
+        if self.producer is not None and self._in_txn:
+            self._in_txn = False
+            self.producer.abort_transaction(30)  # else the broker aborts it at transaction.timeout.ms
+            log.warning("aborted the open transaction on exit %s", kv(worker_id=self.worker_id))
+
+    def _close_consumer(self, failing: bool) -> None:
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            consumer.close()
+
+    def _close_pool(self, failing: bool) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+
+    def _close_metrics(self, failing: bool) -> None:
+        # Final snapshot; the object stays readable after close. No metrics producer: already closed.
+        if self.metrics is not None and self._metrics_producer is not None:
+            try:
+                self.metrics.publish()
+            finally:
+                self.metrics.close()
+
+    def _close_producers(self, failing: bool) -> None:
+        mp, self._metrics_producer = self._metrics_producer, None
+        tp, self.producer = self.producer, None
+        if mp is not None:
+            mp.close(10)
+        if tp is not None and not failing:  # a fenced (fatal) producer cannot even flush: just drop it
+            tp.close(10)
+
+    # -- rebalance callbacks (called from inside consume()) -------------------------------------
+    def _on_assign(self, consumer, partitions) -> None:
+        log.info("partitions assigned %s", kv(worker_id=self.worker_id, partitions=_fmt(partitions)))
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        self._drop(partitions, "revoked")
+
+    def _on_lost(self, consumer, partitions) -> None:
+        self._drop(partitions, "lost")
+
+    def _drop(self, partitions, why: str) -> None:
+        if self._in_txn:  # cannot happen (no poll inside a transaction); abort rather than commit blind
+            self.producer.abort_transaction(30)
+            self._in_txn = False
+        gone = {(tp.topic, tp.partition) for tp in partitions}
+        before = len(self._buffer)
+        self._buffer = [m for m in self._buffer if (m.topic(), m.partition()) not in gone]
+        log.info(
+            "partitions %s %s",
+            why,
+            kv(worker_id=self.worker_id, partitions=_fmt(partitions), dropped=before - len(self._buffer)),
+        )
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _collect(self) -> list:
+        """Up to max_batch_size messages: wait idle_poll_s for a first one, then max_batch_ms to fill."""
+        rc = self.rc
+        self._buffer = []
+        first = self.consumer.poll(rc.idle_poll_s)
+        if first is not None:
+            self._keep([first])
+            self.metrics.consumed()
+        deadline = time.monotonic() + rc.max_batch_ms / 1000
+        while self._buffer and not self._stop.is_set() and len(self._buffer) < rc.max_batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._keep(self.consumer.consume(rc.max_batch_size - len(self._buffer), remaining))
+        batch, self._buffer = self._buffer, []
+        return batch
+
+    def _keep(self, msgs: list) -> None:
+        """Buffer messages of partitions still assigned (a revoke inside poll may have removed some)."""
+        if msgs:
+            assigned = {(tp.topic, tp.partition) for tp in self.consumer.client.assignment()}
+            self._buffer.extend(m for m in msgs if (m.topic(), m.partition()) in assigned)
+
+    def _process(self, batch: list) -> None:
+        good, bad = [], []  # (msg, trajectory) / (msg, error_type, reason, latency_ms)
+        for m in batch:
+            try:
+                good.append((m, decode_message(m, "Trajectory")))
+            except DecodeError as exc:
+                bad.append((m, exc.error_type, str(exc), 0.0))
+        outcomes = self.pool.score([t for _, t in good])
+        t0 = time.perf_counter()
+        scored, dead = [], []
+        self.producer.begin_transaction()
+        self._in_txn = True
+        try:
+            for (m, traj), out in zip(good, outcomes, strict=True):
+                if out.ok:
+                    self._produce_scored(m, traj, out)
+                    scored.append((traj["task"], out.reward, out.latency_ms))
+                else:
+                    bad.append((m, out.error_type, out.reason, out.latency_ms))
+            for m, error_type, reason, ms in bad:
+                self._produce_dead(m, error_type, reason)
+                dead.append((error_type, ms))
+            self._txn_checkpoint(batch)
+            self.producer.send_offsets_to_transaction(
+                next_offsets(batch), self.consumer.client.consumer_group_metadata(), self.cfg.kafka.request_timeout_s
+            )
+            self._commit()
+        except KafkaClientError as exc:
+            if exc.fatal:
+                raise  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
+            self._abort_and_rewind(batch, exc)
+            return
+        self._in_txn = False
+        self.metrics.committed(scored, dead, (time.perf_counter() - t0) * 1000)
+        log.debug("transaction committed %s", kv(worker_id=self.worker_id, scored=len(scored), dlq=len(dead)))
+
+    def _txn_checkpoint(self, batch: list) -> None:
+        log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
+        if self.rc.chaos_delay_in_txn_ms:
+            self.producer.flush(self.cfg.kafka.request_timeout_s)  # the records really are on the broker
+            time.sleep(self.rc.chaos_delay_in_txn_ms / 1000)
+
+    def _commit(self) -> None:
+        for attempt in range(10):
+            try:
+                self.producer.commit_transaction(self.cfg.kafka.request_timeout_s)
+                return
+            except KafkaClientError as exc:
+                ke = exc.kafka_error
+                if ke is None or not ke.retriable() or ke.fatal() or ke.txn_requires_abort() or attempt == 9:
+                    raise
+                log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
+
+    def _abort_and_rewind(self, batch: list, exc: Exception) -> None:
+        self.producer.abort_transaction(self.cfg.kafka.request_timeout_s)
+        self._in_txn = False
+        self.metrics.aborted()
+        first: dict[tuple[str, int], int] = {}
+        for m in batch:
+            key = (m.topic(), m.partition())
+            first[key] = min(first.get(key, m.offset()), m.offset())
+        assigned = {(tp.topic, tp.partition) for tp in self.consumer.client.assignment()}
+        for (topic, part), offset in first.items():
+            if (topic, part) in assigned:
+                self.consumer.client.seek(TopicPartition(topic, part, offset))
+        log.warning(
+            "transaction aborted, rewound %s",
+            kv(
+                worker_id=self.worker_id, error=exc, partitions=",".join(f"{t}[{p}]@{o}" for (t, p), o in first.items())
+            ),
+        )
+
+    def _produce_scored(self, m, traj: dict, out) -> None:
+        rec = {
+            "trajectory": traj,
+            "reward": out.reward,
+            "reward_details": out.details,
+            "scorer_id": self.worker_id,
+            "scored_at_ms": now_ms(),
+            "score_latency_ms": out.latency_ms,
+            "source_partition": m.partition(),
+            "source_offset": m.offset(),
+        }
+        key = m.key() if m.key() is not None else traj["group_id"].encode()
+        self.producer.produce_record(self.topic_out, "ScoredTrajectory", rec, key=key)
+
+    def _produce_dead(self, m, error_type: str, reason: str) -> None:
+        rec = {
+            "source_topic": m.topic(),
+            "source_partition": m.partition(),
+            "source_offset": m.offset(),
+            "key": m.key(),
+            "value": m.value(),
+            "headers": {k: (v or b"") for k, v in (m.headers() or [])},
+            "error_type": error_type,
+            "reason": reason,
+            "role": "reward",
+            "worker_id": self.worker_id,
+            "failed_at_ms": now_ms(),
+        }
+        self.producer.produce_record(self.topic_dlq, "DeadLetter", rec, key=m.key())
+        log.warning(
+            "sent to DLQ %s",
+            kv(error_type=error_type, partition=m.partition(), offset=m.offset(), reason=reason[:200]),
+        )
+
+
+def _fmt(partitions) -> str:
+    return ",".join(f"{tp.topic}[{tp.partition}]" for tp in partitions)
+
+
+def run(cfg) -> None:
+    """Entry point of ``rlstream reward``."""
+    RewardWorker(cfg).run()

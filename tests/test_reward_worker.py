@@ -1,0 +1,202 @@
+"""The reward worker in-process against a real broker: bad input and failing rewards go to the DLQ
+inside the batch's transaction while their neighbours are scored; an aborted transaction is
+rewound; a zombie with the same transactional id is fenced; metrics are published."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+from confluent_kafka import KafkaError, TopicPartition
+
+from consumers.reward.worker import RewardWorker
+from pipeline import codec
+from pipeline.admin import Admin
+from pipeline.errors import KafkaClientError, TopicError
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message, wait_for
+from tests.test_codec import make_trajectory
+
+pytestmark = pytest.mark.kafka
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running(worker: RewardWorker):
+    """Run ``worker`` in a thread; on exit stop it and re-raise what it raised."""
+    errors: list[BaseException] = []
+
+    def target():
+        try:
+            worker.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    try:
+        yield errors
+    finally:
+        worker.stop()
+        t.join(60)
+        assert not t.is_alive(), "worker did not stop"
+    if errors:
+        raise errors[0]
+
+
+def traj(i: int, text: str, group: str = "g1") -> dict:
+    t = make_trajectory(i, 4)
+    t.update(trajectory_id=f"{group}/{i}", group_id=group, sample_index=i, response_text=text)
+    return t
+
+
+def produce(cfg, items: list[tuple[bytes, bytes]], partition: int | None = 0) -> None:
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        for key, value in items:
+            p.produce(cfg.topics.name("rollouts"), value, key=key, partition=partition, headers={"h": b"1"})
+
+
+def read_all(cfg, role: str, min_count: int = 0, timeout: float = 60.0) -> list:
+    """Every committed record of a topic up to its end (read_committed), after at least ``min_count``."""
+    topic = cfg.topics.name(role)
+    admin = Admin(client_conf(cfg, "test"))
+    parts = admin.describe([topic])[topic].partitions
+    c = Consumer(client_conf(cfg, "test", kind="consumer"))
+    c.assign([TopicPartition(topic, p, 0) for p in range(parts)])
+    out: list = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            out.extend(c.consume(500, 0.5))
+            if len(out) >= min_count:
+                ends = {p: admin.watermarks(topic, parts)[p][1] for p in range(parts)}
+                pos = {tp.partition: tp.offset for tp in c.client.position([TopicPartition(topic, p) for p in ends])}
+                if all(pos[p] >= ends[p] or ends[p] == 0 for p in ends):
+                    break
+    finally:
+        c.close()
+    return out
+
+
+def test_failures_go_to_dlq_in_the_same_transaction_as_their_scored_neighbours(make_config, tmp_path):
+    port = free_port()
+    cfg = make_config(
+        'reward.default=[{name="tests.test_reward_fns:picky"}]',
+        "reward.timeout_s=2.0",
+        "reward.pool_size=2",
+        "reward.max_batch_size=8",
+        "reward.max_batch_ms=5000",
+        "reward.worker_id=w-dlq",
+        "reward.metrics_interval_s=0.5",
+        f"reward.prometheus_port={port}",
+    )
+    texts = ["ok-1", "RAISE", "ok-2", "HANG", "ok-3"]
+    items = [(b"g1", codec.encode("Trajectory", traj(i, t))) for i, t in enumerate(texts)]
+    prompt = {"prompt_id": "p", "group_id": "g1", "task": "t", "text": "x", "group_size": 1, "sample_count": 1,
+              "created_at_ms": 1}  # fmt: skip
+    items += [
+        (b"g1", b"\x00 definitely not avro"),
+        (b"g1", codec.encode("Prompt", prompt)),
+        (b"g1", codec.encode("Trajectory", traj(7, "ok-4"))),
+    ]
+    produce(cfg, items)
+    w = RewardWorker(cfg)
+    with running(w):
+        scored = read_all(cfg, "scored", 4)
+        dead = read_all(cfg, "dlq", 4)
+        assert w.metrics.counters["transactions"] == 1  # all eight were one batch, one transaction
+        produce(cfg, [(b"g1", codec.encode("Trajectory", traj(8, "ok-5")))])  # the worker goes on
+        assert len(read_all(cfg, "scored", 5)) == 5
+        assert wait_for(lambda: w.metrics.counters.get("transactions") == 2, 30)
+        time.sleep(1.0)  # let one more metrics interval pass, then scrape
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    recs = [decode_message(m, "ScoredTrajectory") for m in scored]
+    assert sorted(r["trajectory"]["response_text"] for r in recs) == ["ok-1", "ok-2", "ok-3", "ok-4"]
+    for m, r in zip(scored, recs, strict=True):
+        assert m.key() == b"g1" and r["reward"] == 1.0 and r["scorer_id"] == "w-dlq"
+        assert r["source_partition"] == 0 and r["source_offset"] == r["trajectory"]["sample_index"]
+    dl = {d["source_offset"]: d for d in (decode_message(m, "DeadLetter") for m in dead)}
+    assert {o: d["error_type"] for o, d in dl.items()} == {
+        1: "reward_error",
+        3: "reward_timeout",
+        5: "decode",
+        6: "schema",
+    }
+    assert "ValueError: picky refuses RAISE" in dl[1]["reason"]
+    assert "exceeded 2.0 s" in dl[3]["reason"]
+    assert "bad magic" in dl[5]["reason"] and "expected Trajectory" in dl[6]["reason"]
+    for o, d in dl.items():
+        assert d["value"] == items[o][1] and d["key"] == b"g1" and d["source_topic"] == cfg.topics.name("rollouts")
+        assert d["headers"] == {"h": b"1"} and d["role"] == "reward" and d["worker_id"] == "w-dlq"
+    assert all(m.key() == b"g1" for m in dead)
+    committed = Admin(client_conf(cfg, "test")).committed(cfg.reward.group_id, cfg.topics.name("rollouts"), 8)
+    assert committed[0] == 9
+    # metrics: on the metrics topic, keyed reward/<worker>, and on Prometheus
+    events = [(m.key(), decode_message(m, "MetricEvent")) for m in read_all(cfg, "metrics", 1)]
+    assert events and all(k == b"reward/w-dlq" and e["role"] == "reward" for k, e in events)
+    last = events[-1][1]["metrics"]
+    assert last["task.copy.count"] == 5 and last["task.copy.reward_mean"] == 1.0
+    assert last["task.copy.reward_le_1"] == 5 and last["task.copy.reward_le_0.5"] == 0
+    assert last["dlq.reward_timeout"] == 1 and last["dlq.decode"] == 1 and last["consumed"] == 9
+    assert "consumed_rate" in last
+    assert 'rlstream_task_copy_count{role="reward",worker="w-dlq"} 5.0' in body
+    resolved = cfg.run_dir / "reward-w-dlq.resolved.toml"
+    assert 'worker_id = "w-dlq"' in resolved.read_text()
+
+
+class AbortOnce(RewardWorker):
+    """Fails the first commit with an abortable error (as a broker-side transaction error would)."""
+
+    fails = 1
+
+    def _commit(self):
+        if self.fails:
+            self.fails -= 1
+            raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
+        super()._commit()
+
+
+def test_aborted_transaction_is_rewound_and_retried(make_config):
+    cfg = make_config("reward.executor=thread", "reward.max_batch_size=50", "reward.max_batch_ms=2000")
+    n = 40
+    produce(
+        cfg, [(f"g{i % 4}".encode(), codec.encode("Trajectory", traj(i, "abc", f"g{i % 4}"))) for i in range(n)], None
+    )
+    w = AbortOnce(cfg)
+    with running(w):
+        scored = read_all(cfg, "scored", n)
+        assert wait_for(lambda: w.metrics.counters.get("consumed") == n, 30)
+    ids = [decode_message(m, "ScoredTrajectory")["trajectory"]["trajectory_id"] for m in scored]
+    assert len(ids) == n and len(set(ids)) == n  # the aborted batch was re-read, not skipped or doubled
+    assert w.metrics.counters["txn_aborts"] == 1
+    assert read_all(cfg, "dlq") == []
+
+
+def test_zombie_is_fenced_by_a_worker_with_the_same_id(make_config):
+    cfg = make_config(
+        "topics.rollouts.partitions=1", "reward.executor=thread", "reward.worker_id=same", "reward.max_batch_ms=50"
+    )
+    zombie, fresh = RewardWorker(cfg), RewardWorker(cfg)
+    with pytest.raises(KafkaClientError) as ei:
+        with running(zombie):
+            assert wait_for(lambda: zombie.consumer is not None and zombie.consumer.client.assignment(), 30)
+            with running(fresh):  # init_transactions with the same transactional.id fences the zombie
+                assert wait_for(lambda: fresh.consumer is not None, 30)
+                produce(cfg, [(b"g1", codec.encode("Trajectory", traj(0, "abc")))])
+                scored = read_all(cfg, "scored", 1)  # the zombie fails, its partition moves to fresh
+    assert ei.value.fatal
+    assert [decode_message(m, "ScoredTrajectory")["trajectory"]["trajectory_id"] for m in scored] == ["g1/0"]
+
+
+def test_missing_topics_are_a_clear_error(make_config):
+    cfg = make_config("reward.executor=thread", create=False)
+    with pytest.raises(TopicError, match="rlstream topics create"):
+        RewardWorker(cfg).run()
