@@ -208,6 +208,39 @@ def _not_yet(what: str) -> None:
 
 
 @app.command()
+def feed(
+    source: Annotated[Path | None, typer.Argument(help="JSONL/JSON, Parquet, or a saved HF dataset dir.")] = None,
+    epochs: int | None = typer.Option(None, "--epochs", help="Passes over the dataset (feed.epochs)."),
+    rate: float | None = typer.Option(None, "--rate", help="Most groups per second, 0 = no limit (feed.rate)."),
+    replicate: int | None = typer.Option(None, "--replicate", help="Messages per group (feed.replicate)."),
+    limit: int | None = typer.Option(None, "--limit", help="Stop after this many groups (feed.limit)."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Publish prompts to the prompts topic (group_seq 0, 1, 2, ... across epochs); resumes where it stopped."""
+    opts = {"source": source, "epochs": epochs, "rate": rate, "replicate": replicate, "limit": limit}
+    cfg = load(config, [*(set_ or []), *(f"feed.{k}={v}" for k, v in opts.items() if v is not None)])
+    from producers.feed import run
+
+    run(cfg)
+
+
+@app.command()
+def rollout(
+    engine: str | None = typer.Option(None, "--engine", help="hf | vllm | openai (sets rollout.engine.type)."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run a rollout worker: generate every prompt it is given and publish the trajectories (one group member)."""
+    cfg = load(config, [*([f"rollout.engine.type={engine}"] if engine else []), *(set_ or [])])
+    from pipeline.config import write_resolved
+    from producers.rollout import run
+
+    write_resolved(cfg, f"rollout-{cfg.rollout.worker_id or 'worker'}")
+    run(cfg)
+
+
+@app.command()
 def reward(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Run a reward worker: score rollouts into the scored topic exactly once (one consumer-group member)."""
     cfg = load(config, set_)

@@ -1,17 +1,157 @@
-"""Configuration of the prompt feed and the rollout workers."""
+"""Configuration of the prompt feed, the rollout workers, their engines and environments.
+
+Strict pydantic models (unknown keys are errors); every field has bounds and a docstring. The
+engine is a discriminated union on ``type`` (``hf`` | ``vllm`` | ``openai``). Nothing here imports
+torch, vLLM or an HTTP client.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
 
 from pipeline.configbase import StrictModel
 
 
 class FeedConfig(StrictModel):
-    epochs: int = Field(1, ge=1)
-    """Passes over the dataset."""
+    source: Path | None = None
+    """Dataset: a .jsonl/.json file, a .parquet file, or a directory saved by HF ``datasets``."""
+    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
+    """How to read ``source``; ``auto`` picks by suffix (a directory is ``hf_disk``)."""
+    name: str = Field("default", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._-]+$")
+    """Feed name: resume state on rl.control is kept per name (one feed per topic prefix)."""
+    epochs: int = Field(1, ge=1, le=100_000)
+    """Passes over the dataset. group_seq keeps counting across epochs."""
+    shuffle_seed: int | None = None
+    """If set, each epoch is shuffled with ``seed + epoch`` (deterministic, so resume is exact)."""
+    rate: float = Field(0.0, ge=0.0)
+    """Most groups published per second; 0 = no limit."""
+    replicate: int = Field(1, ge=1, le=4096)
+    """Split each group's n samples over this many messages on distinct partitions (prompt replication)."""
+    limit: int = Field(0, ge=0)
+    """Stop after this many groups in this run (0 = all); a later run resumes after them."""
+    checkpoint_every: int = Field(64, ge=1, le=1_000_000)
+    """Publish the feed state to rl.control after this many groups (and at the end)."""
+    id_field: str = "id"
+    """Record field with the prompt id (falls back to ``prompt_id``, then to the record's index)."""
+    prompt_field: str = "prompt"
+    """Record field with the prompt text (falls back to ``text``)."""
+    task_field: str = "task"
+    """Record field with the task name (falls back to ``default_task``)."""
+    reference_field: str = "reference"
+    """Record field with the verifier data; if absent, every field except id/prompt/task/n is used."""
+    default_task: str = "default"
+    """Task of records that name none."""
+
+
+class HFEngineConfig(StrictModel):
+    """transformers engine: our own batched decode loop over the HF model, CPU or GPU."""
+
+    type: Literal["hf"] = "hf"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+    """torch device; ``auto`` = cuda if available, else cpu."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations dtype."""
+    refill_every: int = Field(8, ge=1, le=4096)
+    """Decode steps between re-batching (admitting waiting samples, dropping finished ones)."""
+    seed: int = 0
+    """Seed of the sampler (mixed with the worker id)."""
+    threads: int = Field(0, ge=0, le=1024)
+    """torch intra-op threads (0 = torch's default); 1 when several workers share a small machine."""
+
+
+class VLLMEngineConfig(StrictModel):
+    """The vLLM Python engine (``vllm.LLM``), stepped request by request."""
+
+    type: Literal["vllm"] = "vllm"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM dtype (``float32`` on CPU for the tiny test model)."""
+    max_model_len: int = Field(0, ge=0)
+    """Context length; 0 = the model's max_position_embeddings."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Share of GPU memory vLLM may take (ignored on CPU)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compiled model (faster start, needed on CPU)."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs per engine."""
+    kwargs: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Extra ``vllm.LLM(...)`` keyword arguments, passed through verbatim."""
+
+
+class OpenAIEngineConfig(StrictModel):
+    """Any OpenAI-compatible /v1/completions server that returns token ids and logprobs."""
+
+    type: Literal["openai"] = "openai"
+    base_url: str = Field("http://127.0.0.1:8000/v1", pattern=r"^https?://")
+    """Server base URL, up to and including /v1."""
+    model: str = ""
+    """``model`` field of requests ('' = the server's first model from /v1/models)."""
+    api_key: str = ""
+    """Bearer token, if the server wants one."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Socket timeout of one request."""
+    max_retries: int = Field(3, ge=0, le=100)
+    """Retries of a request that failed to connect or got a 5xx, with backoff; then the worker stops."""
+    reload: Literal["post", "none"] = "post"
+    """How new weights reach the server: ``post`` = POST {uri, sha256, version} to ``reload_path``;
+    ``none`` = the server is updated by someone else and the notice's version is trusted."""
+    reload_path: str = "/rlstream/load_weights"
+    """Path (relative to the host, not /v1) of the reload endpoint for ``reload = "post"``."""
+
+
+EngineConfig = Annotated[HFEngineConfig | VLLMEngineConfig | OpenAIEngineConfig, Field(discriminator="type")]
+
+
+class EnvConfig(StrictModel):
+    """Multi-turn environments (environment-level async): which tasks run as episodes."""
+
+    tasks: dict[str, str] = Field(default_factory=lambda: {"guess_number": "guess_number"})
+    """Task name -> environment: a built-in name (``guess_number``) or ``module:Class``."""
+    max_turns: int = Field(8, ge=1, le=1000)
+    """Most model turns per episode."""
+    max_turn_tokens: int = Field(16, ge=1, le=65536)
+    """Most tokens the model may produce in one turn."""
+    stop: list[str] = Field(default_factory=lambda: ["\n"])
+    """Strings (single tokens) that end a model turn, besides EOS."""
+    workers: int = Field(4, ge=1, le=1024)
+    """Threads running ``env.step`` so a slow environment never blocks generation."""
 
 
 class RolloutConfig(StrictModel):
-    max_inflight: int = Field(32, ge=1)
+    group_id: str = Field("rlstream-rollout", min_length=1)
+    """Consumer group of the rollout workers on rl.prompts."""
+    worker_id: str = ""
+    """Id in trajectories, metrics and client ids; '' = host-pid."""
+    engine: EngineConfig = HFEngineConfig()
+    """The generation engine (``engine.type`` = hf | vllm | openai)."""
+    max_inflight: int = Field(32, ge=1, le=100_000)
     """Most samples the worker keeps in its engine at once (queue scheduling)."""
+    max_new_tokens: int = Field(64, ge=1, le=1_000_000)
+    """Default response budget per sample (a prompt may lower or raise it); multi-turn: whole episode."""
+    max_prompt_tokens: int = Field(1024, ge=1, le=10_000_000)
+    """Longer prompts go to rl.dlq with error_type too_long."""
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    """Sampling temperature; 0 = greedy. Logprobs are log_softmax(raw_logits / T) (T = 1 when greedy)."""
+    reload_policy: Literal["drain", "interrupt"] = "drain"
+    """On a new version: ``drain`` finishes in-flight samples first; ``interrupt`` aborts them, loads,
+    and resumes them under the new weights (partial rollouts with version_min < version_max)."""
+    poll_timeout_s: float = Field(0.05, gt=0, le=10)
+    """Longest a loop iteration waits on Kafka when the engine is idle."""
+    metrics_interval_s: float = Field(2.0, gt=0)
+    """How often a MetricEvent goes to rl.metrics."""
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus /metrics on this port (0 = off)."""
+    exit_when_idle_s: float = Field(0.0, ge=0)
+    """Stop after this long with nothing to do and no new prompts (0 = run forever)."""
+    env: EnvConfig = EnvConfig()
+    """Multi-turn environments."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_engine_type(cls, data):
+        """A partial ``[rollout.engine]`` table without ``type`` means the hf engine."""
+        if isinstance(data, dict) and isinstance(data.get("engine"), dict) and "type" not in data["engine"]:
+            data = {**data, "engine": {**data["engine"], "type": "hf"}}
+        return data

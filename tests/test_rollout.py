@@ -1,0 +1,202 @@
+"""Rollout workers on a real broker: weight reloads (drain, interrupt), admission control with
+k = 0, dead letters, commits. Multi-worker and kill -9 runs are in test_rollout_cluster.py."""
+
+import threading
+import time
+
+import pytest
+import torch
+from confluent_kafka import TopicPartition
+
+from pipeline import codec
+from pipeline.control import required_version
+from pipeline.kafka import Consumer, Producer, client_conf
+from pipeline.models import load_model, materialize
+from producers import feed
+from producers.rollout import RolloutWorker
+from producers.testing import end_offsets, forcing_state_dict, publish_version, read_topic
+
+pytestmark = pytest.mark.kafka
+DATA = "tests/data/prompts.jsonl"
+
+
+class WorkerThread:
+    """A RolloutWorker in a thread; ``join`` re-raises what killed it."""
+
+    def __init__(self, cfg):
+        self.worker = RolloutWorker(cfg)
+        self.stop = threading.Event()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.worker.run(self.stop)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self, timeout=120):
+        self.stop.set()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker did not stop"
+        if self.error:
+            raise self.error
+
+
+def wait_for(pred, timeout=60.0, what="condition", worker=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker is not None and worker.error:
+            raise worker.error
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def trajectories(cfg, n=0, timeout=60):
+    return [r for _, r in read_topic(cfg, "rollouts", "Trajectory", n, timeout)]
+
+
+def committed(cfg):
+    topic = cfg.topics.name("prompts")
+    c = Consumer(client_conf(cfg, "test", kind="consumer"), group_id=cfg.rollout.group_id)
+    try:
+        parts = [TopicPartition(topic, p) for p in range(cfg.topics.prompts.partitions)]
+        return {tp.partition: tp.offset for tp in c.client.committed(parts, timeout=10)}
+    finally:
+        c.close()
+
+
+def z_token(cfg):
+    from pipeline.models import load_tokenizer
+
+    return load_tokenizer(materialize(cfg.model)).convert_tokens_to_ids("Z")
+
+
+def base_state(cfg):
+    return load_model(materialize(cfg.model)).state_dict()
+
+
+def test_drain_reload_changes_generation_and_tags_versions(make_config):
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=6", "rl.group_size=4", "rl.max_staleness=100",
+        "rollout.max_new_tokens=24", "rollout.reload_policy=drain", "rollout.metrics_interval_s=0.5",
+    )  # fmt: skip
+    feed.run(cfg)
+    w = WorkerThread(cfg)
+    wait_for(lambda: len(trajectories(cfg, 0, 0)) >= 24, what="v0 trajectories", worker=w)
+    z = z_token(cfg)
+    publish_version(cfg, 1, forcing_state_dict(base_state(cfg), z))
+    wait_for(lambda: w.worker.engine.version == 1, what="v1 loaded", worker=w)
+    cfg.feed.limit = 0
+    feed.run(cfg)  # the remaining 6 groups, fed after v1 is loaded
+    got = wait_for(lambda: (t := trajectories(cfg, 48, 0)) and len(t) >= 48 and t, what="48 trajectories", worker=w)
+    w.join()
+    assert len({t["trajectory_id"] for t in got}) == 48 == len(got)
+    for t in got:
+        toks = list(codec.unpack_i32(t["response_tokens"]))
+        assert t["version_min"] == t["version_max"]  # drain: no sample spans two versions
+        if t["group_seq"] >= 6:
+            assert t["version_min"] == 1
+        if t["version_min"] == 1:
+            assert set(toks) == {z} and len(toks) == 24
+        else:
+            assert set(toks) != {z}
+    metrics = [r for _, r in read_topic(cfg, "metrics", "MetricEvent")]
+    loads = [m for m in metrics if m["metrics"].get("weight_loads") == 1.0]
+    assert loads and loads[0]["version"] == 1 and loads[0]["metrics"]["loaded_version"] == 1
+    assert loads[0]["metrics"]["weight_load_ms"] > 0
+
+
+def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=1", "rl.group_size=3", "rl.max_staleness=100",
+        "model.type=tiny", "model.max_position_embeddings=1024", "rollout.max_new_tokens=1000", "rollout.reload_policy=interrupt",
+    )  # fmt: skip
+    feed.run(cfg)
+    w = WorkerThread(cfg)
+    eng = w.worker.engine
+    wait_for(lambda: eng.rows and min(len(r.tokens) for r in eng.rows) >= 20, what="generation under way", worker=w)
+    z = z_token(cfg)
+    publish_version(cfg, 1, forcing_state_dict(base_state(cfg), z))
+    got = wait_for(lambda: (t := trajectories(cfg, 3, 0)) and len(t) >= 3 and t, timeout=120, worker=w)
+    w.join()
+    assert w.worker.stats["loads"] == 1
+    spanning = [t for t in got if t["version_min"] < t["version_max"]]
+    assert spanning, "no trajectory was interrupted"
+    for t in spanning:
+        assert (t["version_min"], t["version_max"]) == (0, 1)
+        toks = list(codec.unpack_i32(t["response_tokens"]))
+        lps = list(codec.unpack_f32(t["logprobs"]))
+        (mark0, mark1) = [tuple(map(int, m.split("@"))) for m in t["metadata"]["versions"].split(",")]
+        switch = mark1[0]
+        assert mark0 == (0, 0) and mark1[1] == 1 and 20 <= switch < len(toks) == 1000
+        assert set(toks[switch:]) == {z} and all(lp > -1e-3 for lp in lps[switch:])  # new weights force Z
+        assert set(toks[:switch]) != {z}  # the old weights' tokens are kept, with their logprobs
+        assert sum(lps[:switch]) < -switch  # random-init model: about -log(V) per token
+
+
+def test_k0_admits_no_group_before_its_version_is_loaded(make_config):
+    G, n = 2, 2
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=6", f"rl.group_size={n}", f"rl.groups_per_step={G}",
+        "rl.max_staleness=0", "rollout.max_new_tokens=16", "rollout.metrics_interval_s=0.3",
+    )  # fmt: skip
+    feed.run(cfg)
+    prompts = {r["group_seq"]: m for m, r in read_topic(cfg, "prompts", "Prompt", 6)}
+    w = WorkerThread(cfg)
+    base = base_state(cfg)
+    for version in (0, 1, 2):
+        want = (version + 1) * G * n
+        got = wait_for(lambda want=want: (t := trajectories(cfg, want, 0)) and len(t) >= want and t, worker=w)
+        time.sleep(1.5)  # give a wrongly admitted group time to show up
+        got = trajectories(cfg, 0, 0)
+        assert len(got) == want and max(t["group_seq"] for t in got) == (version + 1) * G - 1
+        if version < 2:  # the next step's groups are held, and their offsets not committed
+            held = prompts[(version + 1) * G]
+            assert committed(cfg)[held.partition()] <= held.offset()
+            perturbed = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+            publish_version(cfg, version + 1, perturbed)
+    w.join()
+    for t in got:
+        assert t["version_min"] >= required_version(t["group_seq"], 0, G)
+        assert t["version_min"] == t["group_seq"] // G  # each step's groups at exactly that version
+    ends = end_offsets(cfg, cfg.topics.name("prompts"))
+    assert all(committed(cfg)[p] == hi for p, hi in ends.items() if hi > 0)
+
+
+def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
+    cfg = make_config(
+        f"feed.source={DATA}", "rl.group_size=2", "rl.max_staleness=100", "rollout.max_prompt_tokens=30",
+        "rollout.max_new_tokens=8", "rollout.exit_when_idle_s=2",
+    )  # fmt: skip
+    topic = cfg.topics.name("prompts")
+    good = {"prompt_id": "ok", "group_id": "ok@e0", "group_seq": 0, "task": "copy", "text": "hi", "group_size": 2,
+            "sample_count": 2, "created_at_ms": 1}  # fmt: skip
+    wrong_schema = codec.encode("Command", {"name": "x", "created_at_ms": 1})
+    sent = [
+        (b"k-garbage", b"\x00not avro", "decode"),
+        (b"k-schema", wrong_schema, "schema"),
+        (b"k-long", codec.encode("Prompt", {**good, "group_id": "long@e0", "text": "x" * 31}), "too_long"),
+        (b"k-range", codec.encode("Prompt", {**good, "group_id": "r@e0", "sample_start": 1}), "invalid"),
+        (b"ok@e0", codec.encode("Prompt", good), None),
+        (b"k-trunc", codec.encode("Prompt", good)[:-3], "decode"),
+        (b"ok2@e0", codec.encode("Prompt", {**good, "group_id": "ok2@e0", "group_seq": 1}), None),
+    ]
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        for key, value, _ in sent:
+            p.produce(topic, value, key=key, partition=3, headers={"h": b"v"})
+    w = WorkerThread(cfg)
+    w.thread.join(120)
+    w.join()
+    dlq = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 5)]
+    assert [(d["key"], d["value"], d["error_type"]) for d in dlq] == [(k, v, e) for k, v, e in sent if e]
+    assert [d["source_offset"] for d in dlq] == [i for i, s in enumerate(sent) if s[2]]
+    assert all(d["source_topic"] == topic and d["source_partition"] == 3 and d["headers"] == {"h": b"v"} for d in dlq)
+    assert "31 tokens" in dlq[2]["reason"]
+    got = trajectories(cfg, 4)
+    assert sorted(t["trajectory_id"] for t in got) == ["ok2@e0/0", "ok2@e0/1", "ok@e0/0", "ok@e0/1"]
+    assert committed(cfg)[3] == len(sent)  # committed past every bad message
