@@ -202,11 +202,6 @@ def status(
 
 
 # ---- roles ----------------------------------------------------------------------------------
-def _not_yet(what: str) -> None:
-    console.print(f"rlstream {what}: not yet available in this version (see the README's roadmap).")
-    raise typer.Exit(3)
-
-
 @app.command()
 def feed(
     source: Annotated[Path | None, typer.Argument(help="JSONL/JSON, Parquet, or a saved HF dataset dir.")] = None,
@@ -250,9 +245,51 @@ def reward(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def demo(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+def train(
+    engine: str | None = typer.Option(None, "--engine", help="torch | deepspeed (sets trainer.engine.type)."),
+    max_steps: int | None = typer.Option(
+        None, "--max-steps", help="Stop at this trainer step (default trainer.max_steps)."
+    ),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run the trainer: consume scored groups, train, publish versioned weights (resumes from its checkpoint)."""
+    cfg = load(config, [*(set_ or []), *([f"trainer.engine.type={engine}"] if engine else [])])
+    from consumers.trainer.worker import run
+
+    run(cfg, max_steps=max_steps)
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(150, "--steps", min=1, help="Trainer steps before the demo stops."),
+    max_staleness: int | None = typer.Option(
+        None, "--max-staleness", "-k", min=0, help="k (default: rl.max_staleness = 1; 0 = synchronous)."
+    ),
+    rollout_workers: int = typer.Option(2, "--rollout-workers", min=1),
+    reward_workers: int = typer.Option(2, "--reward-workers", min=1),
+    model_path: str | None = typer.Option(None, "--model-path", help="A local HF model dir instead of the tiny model."),
+    engine: str | None = typer.Option(None, "--engine", help="Rollout engine type: hf | vllm | openai."),
+    no_live: bool = typer.Option(False, "--no-live", help="Plain progress lines instead of the live view."),
+    keep_broker: bool = typer.Option(False, "--keep-broker", help="Leave a broker the demo started running."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
     """Run the end-to-end demo on the embedded default (local broker, tiny model, toy task)."""
-    _not_yet("demo")
+    from pipeline.demo import run
+
+    report = run(
+        load(config, set_),
+        steps,
+        rollout_workers,
+        reward_workers,
+        max_staleness,
+        model_path,
+        engine,
+        live=False if no_live else None,
+        keep_broker=keep_broker,
+    )
+    raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,19 @@ def cli_overrides(items: list[str] | None) -> dict:
     return tree
 
 
+def _fill_union_types(tree: dict, default: StrictModel) -> None:
+    """A partial table for a discriminated union (``[model]``, ``[rollout.engine]``) that names no
+    ``type`` keeps the default's type, so ``--set model.hidden_size=64`` just works."""
+    for key, value in tree.items():
+        sub = getattr(default, key, None) if isinstance(default, StrictModel) else None
+        if not isinstance(value, dict) or not isinstance(sub, StrictModel):
+            continue
+        if "type" in type(sub).model_fields and "type" not in value:
+            value["type"] = sub.type
+        if value.get("type", getattr(sub, "type", None)) == getattr(sub, "type", None):
+            _fill_union_types(value, sub)
+
+
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
@@ -255,6 +268,7 @@ def load_config(
             raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
     _merge(tree, env_overrides(environ))
     _merge(tree, cli_overrides(overrides))
+    _fill_union_types(tree, Config())
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:

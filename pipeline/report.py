@@ -64,7 +64,8 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
 
         hist = staleness_histogram(steps)
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.bar([str(k) for k in hist], list(hist.values()))
+        ax.bar(list(hist), list(hist.values()))
+        ax.set_xticks(list(hist))
         ax.set_xlabel("staleness (trainer version − version_min)")
         ax.set_ylabel("samples trained")
         ax.set_title(f"staleness distribution (k = {report.get('max_staleness', '?')})")
@@ -73,11 +74,16 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         t0 = steps[0]["time"]
-        ts = [s["time"] - t0 for s in steps]
-        rates = [s.get("samples_per_s", 0.0) for s in steps]
+        ts, rates = [], []
+        for i in range(1, len(steps)):
+            window = steps[max(0, i - 10) : i + 1]  # rolling window of up to 10 steps
+            dt = window[-1]["time"] - window[0]["time"]
+            if dt > 0:
+                ts.append(window[-1]["time"] - t0)
+                rates.append(sum(s.get("samples", 0) for s in window[1:]) / dt)
         ax.plot(ts, rates, lw=1.5)
         ax.set_xlabel("seconds since first step")
-        ax.set_ylabel("samples/s (trainer)")
+        ax.set_ylabel("samples/s trained (10-step window)")
         ax.set_title("throughput over time")
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -59,3 +59,13 @@ def test_dump_toml_round_trips(tmp_path):
     f.write_text(dump_toml(cfg))
     again = load_config(f, environ={})
     assert again == cfg
+
+
+def test_partial_union_table_keeps_default_type():
+    cfg = load_config(overrides=["model.hidden_size=64", "rollout.engine.device=cpu"], environ={})
+    assert cfg.model.type == "tiny" and cfg.model.hidden_size == 64
+    assert cfg.rollout.engine.type == "hf" and cfg.rollout.engine.device == "cpu"
+    cfg = load_config(overrides=['model.type="pretrained"', 'model.path="/m"'], environ={})
+    assert cfg.model.type == "pretrained"
+    with pytest.raises(ConfigError, match="model.pretrained.hidden_size"):
+        load_config(overrides=['model.type="pretrained"', 'model.path="/m"', "model.hidden_size=3"], environ={})
