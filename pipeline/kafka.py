@@ -86,6 +86,7 @@ class Producer:
         self._error: DeliveryError | None = None
         self.failed = 0
         self.delivered = 0
+        self.fatal = False  # set once the client reported a fatal error (e.g. fenced); close() then skips flush
 
     @property
     def client(self) -> _Producer:
@@ -96,6 +97,8 @@ class Producer:
     def _on_delivery(self, err, msg, user_cb=None):
         if err is not None:
             self.failed += 1
+            if err.fatal():
+                self.fatal = True
             if self._error is None:
                 self._error = DeliveryError(
                     f"delivery to {msg.topic()} failed: {err} ({kv(partition=msg.partition())})", err
@@ -104,6 +107,11 @@ class Producer:
             self.delivered += 1
         if user_cb is not None:
             user_cb(err, msg)
+
+    def _note_fatal(self, exc: KafkaException) -> None:
+        err = exc.args[0] if exc.args else None
+        if isinstance(err, KafkaError) and err.fatal():
+            self.fatal = True
 
     def _raise_pending(self):
         if self._error is not None:
@@ -160,6 +168,7 @@ class Producer:
         try:
             self.client.init_transactions(timeout)
         except KafkaException as exc:
+            self._note_fatal(exc)
             _raise_kafka(exc, "init_transactions")
 
     def begin_transaction(self) -> None:
@@ -167,18 +176,21 @@ class Producer:
         try:
             self.client.begin_transaction()
         except KafkaException as exc:
+            self._note_fatal(exc)
             _raise_kafka(exc, "begin_transaction")
 
     def send_offsets_to_transaction(self, offsets: list[TopicPartition], group_metadata, timeout=30.0):
         try:
             self.client.send_offsets_to_transaction(offsets, group_metadata, timeout)
         except KafkaException as exc:
+            self._note_fatal(exc)
             _raise_kafka(exc, "send_offsets_to_transaction")
 
     def commit_transaction(self, timeout: float = 60.0) -> None:
         try:
             self.client.commit_transaction(timeout)
         except KafkaException as exc:
+            self._note_fatal(exc)
             _raise_kafka(exc, "commit_transaction")
         self._raise_pending()
 
@@ -186,6 +198,7 @@ class Producer:
         try:
             self.client.abort_transaction(timeout)
         except KafkaException as exc:
+            self._note_fatal(exc)
             _raise_kafka(exc, "abort_transaction")
         self._error = None  # aborted messages are not delivered by design
 
@@ -193,7 +206,8 @@ class Producer:
         """Flush what is queued. Raises DeliveryError if anything was lost."""
         if self._client is not None:
             try:
-                self.flush(timeout)
+                if not self.fatal:  # a fatal (fenced) client cannot flush; what it held is aborted anyway
+                    self.flush(timeout)
             finally:
                 self._client = None
 
@@ -204,7 +218,8 @@ class Producer:
         if et is None:
             self.close()
         elif self._client is not None:
-            self._client.flush(5)
+            if not self.fatal:
+                self._client.flush(5)
             self._client = None
 
 

@@ -140,3 +140,25 @@ def test_broker_cli_lifecycle(tmp_path):
         run_cli(["broker", "stop"], env, check=False)
     assert run_cli(["broker", "status"], env, check=False).returncode == 1
     assert not pid_alive(pid)  # gone (a zombie awaiting its reaper counts as gone)
+
+
+def test_fenced_transactional_producer_fails_typed_and_closes(make_config):
+    from pipeline.errors import KafkaClientError
+
+    cfg = make_config()
+    conf = client_conf(cfg, "test", kind="producer")
+    tid = f"fence-{cfg.topics.prefix}"
+    old = Producer(conf, transactional_id=tid)
+    old.init_transactions()
+    old.begin_transaction()
+    old.produce(cfg.topics.name("dlq"), b"zombie")
+    new = Producer(conf, transactional_id=tid)
+    new.init_transactions()  # fences `old`
+    with pytest.raises(KafkaClientError) as ei:
+        old.commit_transaction(10)
+    assert old.fatal and ei.value.fatal
+    old.close()  # must not raise (confluent-kafka cannot flush a fenced client)
+    new.begin_transaction()
+    new.produce(cfg.topics.name("dlq"), b"ok")
+    new.commit_transaction()
+    new.close()
