@@ -314,6 +314,7 @@ class RolloutWorker:
     # -- weights ---------------------------------------------------------------------------------
     def _poll_control(self) -> None:
         self.control.poll(0)
+        self.control.commands.clear()  # feed states and operator commands: not the worker's business
         upd = self.control.latest_update
         newest = max([self.engine.version] + [x[0]["version"] for x in (self.fetch, self.loadable) if x])
         if upd is not None and upd["version"] > newest and self.fetch is None and self.loadable is None:

@@ -117,11 +117,15 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
         "model.type=tiny", "model.max_position_embeddings=1024", "rollout.max_new_tokens=1000", "rollout.reload_policy=interrupt",
     )  # fmt: skip
     feed.run(cfg)
+    z = z_token(cfg)
+    forcing = forcing_state_dict(base_state(cfg), z)  # ready before generation starts
+    producer = Producer(client_conf(cfg, "test", kind="producer"))
+    producer.client.list_topics(timeout=10)  # connected before the race starts
     w = WorkerThread(cfg)
     eng = w.worker.engine
     wait_for(lambda: eng.rows and min(len(r.tokens) for r in eng.rows) >= 20, what="generation under way", worker=w)
-    z = z_token(cfg)
-    publish_version(cfg, 1, forcing_state_dict(base_state(cfg), z))
+    publish_version(cfg, 1, forcing, producer)
+    producer.close()
     got = wait_for(lambda: (t := trajectories(cfg, 3, 0)) and len(t) >= 3 and t, timeout=120, worker=w)
     w.join()
     assert w.worker.stats["loads"] == 1
