@@ -132,6 +132,34 @@ def classpath(progress=print) -> str:
     return cp_file.read_text().strip()
 
 
+KAFKA_TOOLS = {
+    "consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+    "topics": "org.apache.kafka.tools.TopicCommand",
+    "console-consumer": "org.apache.kafka.tools.consumer.ConsoleConsumer",
+    "get-offsets": "org.apache.kafka.tools.GetOffsetShell",
+    "transactions": "org.apache.kafka.tools.TransactionsCommand",
+    "log-dirs": "org.apache.kafka.tools.LogDirsCommand",
+}
+
+
+def kafka_tool_argv(name: str, args: list[str]) -> list[str]:
+    """argv that runs one of Kafka's own CLI tools (same jars as the local broker)."""
+    if name not in KAFKA_TOOLS:
+        raise BrokerError(f"unknown Kafka tool {name!r}; known: {', '.join(sorted(KAFKA_TOOLS))}")
+    _java_version()
+    quiet = CACHE_DIR / "log4j2-tools.properties"
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    quiet.write_text("status = error\nrootLogger.level = WARN\n")
+    return [
+        shutil.which("java"),
+        f"-Dlog4j2.configurationFile={quiet}",
+        "-cp",
+        classpath(lambda m: None),
+        KAFKA_TOOLS[name],
+        *args,
+    ]
+
+
 class LocalBroker:
     """Start, stop and inspect one local KRaft broker. ``cfg`` is a BrokerConfig."""
 

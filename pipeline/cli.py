@@ -91,6 +91,34 @@ def broker_logs(lines: int = typer.Option(50, "--lines", "-n"), config: ConfigOp
     print(LocalBroker(load(config, set_).broker).tail(lines), end="")
 
 
+@app.command(
+    "kafka-tool",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def kafka_tool(
+    ctx: typer.Context,
+    name: str = typer.Argument(
+        help="consumer-groups | topics | console-consumer | get-offsets | transactions | log-dirs"
+    ),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run one of Kafka's own CLI tools against the configured cluster (no Kafka download needed).
+
+    Example: rlstream kafka-tool consumer-groups --describe --group rlstream-reward
+    """
+    import subprocess
+
+    from pipeline.broker import kafka_tool_argv
+    from pipeline.kafka import resolve_bootstrap
+
+    cfg = load(config, set_)
+    args = list(ctx.args)
+    if "--bootstrap-server" not in args:
+        args = ["--bootstrap-server", resolve_bootstrap(cfg.kafka, cfg.broker), *args]
+    raise typer.Exit(subprocess.run(kafka_tool_argv(name, args)).returncode)
+
+
 # ---- topics ---------------------------------------------------------------------------------
 @topics_app.command("create")
 def topics_create(config: ConfigOpt = None, set_: SetOpt = None) -> None:
@@ -272,6 +300,12 @@ def demo(
     engine: str | None = typer.Option(None, "--engine", help="Rollout engine type: hf | vllm | openai."),
     no_live: bool = typer.Option(False, "--no-live", help="Plain progress lines instead of the live view."),
     keep_broker: bool = typer.Option(False, "--keep-broker", help="Leave a broker the demo started running."),
+    metrics_port_base: int = typer.Option(
+        0,
+        "--metrics-port-base",
+        help="Serve Prometheus /metrics: rollout-i on base+i, reward-i on base+10+i, trainer on base+20.",
+    ),
+    topic_prefix: str | None = typer.Option(None, "--topic-prefix", help="Topic prefix (default: demo-<run id>.)."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -288,6 +322,8 @@ def demo(
         engine,
         live=False if no_live else None,
         keep_broker=keep_broker,
+        metrics_port_base=metrics_port_base,
+        topic_prefix=topic_prefix,
     )
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 

@@ -173,6 +173,8 @@ def run(
     engine: str | None = None,
     live: bool | None = None,
     keep_broker: bool = False,
+    metrics_port_base: int = 0,
+    topic_prefix: str | None = None,
 ) -> dict:
     from rich.console import Console
 
@@ -207,6 +209,8 @@ def run(
             live,
             console,
             t_start,
+            metrics_port_base,
+            topic_prefix,
         )
     finally:
         if broker is not None and not keep_broker:
@@ -227,6 +231,8 @@ def _run(
     live,
     console,
     t_start,
+    metrics_port_base=0,
+    topic_prefix=None,
 ) -> dict:
     from confluent_kafka import TopicPartition
     from rich.live import Live
@@ -240,7 +246,9 @@ def _run(
     from pipeline.supervisor import ChildDied, Supervisor
 
     write_task(run_dir / "task.jsonl")
-    sets = demo_overrides(run_dir, f"demo-{run_id}.", bootstrap, steps, max_staleness, model_path, engine)
+    sets = demo_overrides(
+        run_dir, topic_prefix or f"demo-{run_id}.", bootstrap, steps, max_staleness, model_path, engine
+    )
     dcfg = load_config(
         os.environ.get("RLSTREAM_CONFIG"),
         [*sets],
@@ -262,6 +270,13 @@ def _run(
     progress = Progress()
     k = dcfg.rl.max_staleness
     report: dict = {
+        "metrics_ports": {}
+        if not metrics_port_base
+        else {
+            **{f"rollout-{i}": metrics_port_base + i for i in range(rollout_workers)},
+            **{f"reward-{i}": metrics_port_base + 10 + i for i in range(reward_workers)},
+            "trainer": metrics_port_base + 20,
+        },
         "run_dir": str(run_dir),
         "max_staleness": k,
         "steps_requested": steps,
@@ -278,11 +293,20 @@ def _run(
     status = "ok"
     with Supervisor(run_dir / "logs", env) as sup:
         sup.start("feed", ["feed", *base], may_exit=True)
-        sup.start("trainer", ["train", *base], may_exit=True)
+
+        def port(offset: int) -> list[str]:  # Prometheus /metrics per role when --metrics-port-base is set
+            return (
+                []
+                if not metrics_port_base
+                else ["--set", f"{role_of[offset // 10]}.prometheus_port={metrics_port_base + offset}"]
+            )
+
+        role_of = {0: "rollout", 1: "reward", 2: "trainer"}
+        sup.start("trainer", ["train", *base, *port(20)], may_exit=True)
         for i in range(reward_workers):
-            sup.start(f"reward-{i}", ["reward", *base, "--set", f"reward.worker_id=reward-{i}"])
+            sup.start(f"reward-{i}", ["reward", *base, "--set", f"reward.worker_id=reward-{i}", *port(10 + i)])
         for i in range(rollout_workers):
-            sup.start(f"rollout-{i}", ["rollout", *base, "--set", f"rollout.worker_id=rollout-{i}"])
+            sup.start(f"rollout-{i}", ["rollout", *base, "--set", f"rollout.worker_id=rollout-{i}", *port(i)])
         last_lag = 0.0
         view = Live(render(progress, lags, steps, k, 0), console=console, refresh_per_second=2) if live else None
         try:
