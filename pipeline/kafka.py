@@ -57,6 +57,16 @@ def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "commo
     return conf
 
 
+_LEADER_CODES = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError._TRANSPORT}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors that go away by themselves: retriable ones, and leader elections (which
+    librdkafka does not always flag retriable on metadata and offset queries)."""
+    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else getattr(exc, "kafka_error", None)
+    return isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_CODES)
+
+
 def _raise_kafka(exc: KafkaException, what: str, cls=KafkaClientError):
     err = exc.args[0] if exc.args else None
     raise cls(f"{what}: {err}", err if isinstance(err, KafkaError) else None) from exc

@@ -4,6 +4,7 @@ lag figures equal to Kafka's own kafka-consumer-groups afterwards; every role se
 
 import json
 import random
+import re
 import socket
 import subprocess
 import time
@@ -83,7 +84,7 @@ def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
             for name, port in ports.items():
-                if name not in scraped and (body := _scrape(port)) and "rlstream_" in body:
+                if (body := _scrape(port)) and "rlstream_" in body:  # keep the latest: gauges appear as work happens
                     scraped[name] = body
             if busy_snapshot is None:
                 st = run_cli(["status", "--json", "--interval", "2"], cli_env, check=False, timeout=120)
@@ -106,6 +107,12 @@ def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
     for name, body in scraped.items():
         assert f'role="{name.split("-")[0]}"' in body
     assert "rlstream_policy_version" in scraped["rollout-0"]
+    # Every metric the shipped Grafana dashboard plots is served (dead-letter counters appear only on failure).
+    served = "\n".join(scraped.values())
+    dash = json.loads((Path(__file__).parents[1] / "infra/grafana/dashboards/rlstream.json").read_text())
+    names = {re.match(r"[a-z0-9_]+", t["expr"]).group(0) for p in dash["panels"] for t in p["targets"]}
+    missing = {n for n in names - {"rlstream_dlq", "rlstream_dead_letters"} if f"\n{n}{{" not in served}
+    assert not missing, missing
 
     # The report: a reward curve over every step that clearly rises, plots, clean exits.
     run_dirs = list(Path(cli_env["RLSTREAM_RUN_DIR"]).glob("demo-*"))
