@@ -221,6 +221,11 @@ class Producer:
             finally:
                 self._client = None
 
+    def abandon(self) -> None:
+        """Release the client without flushing. Only for a producer whose open transaction is lost
+        anyway (fenced, or failing): tracebacks may keep this wrapper alive, not the client."""
+        self._client = None
+
     def __enter__(self):
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -20,6 +21,9 @@ def kafka_bootstrap():
     with kafka_broker() as (bootstrap, source):
         print(f"[kafka fixture] using {bootstrap} from {source}")
         yield bootstrap
+        # Clients kept alive by reference cycles (e.g. a worker held by a test's traceback) must be
+        # destroyed while the broker still runs, or librdkafka keeps reconnecting after the session.
+        gc.collect()
 
 
 @pytest.fixture

@@ -188,8 +188,11 @@ class RewardWorker:
         tp, self.producer = self.producer, None
         if mp is not None:
             mp.close(10)
-        if tp is not None and not failing:  # a fenced (fatal) producer cannot even flush: just drop it
-            tp.close(10)
+        if tp is not None:
+            if failing:  # a fenced (fatal) producer cannot even flush; its open transaction is lost anyway
+                tp.abandon()
+            else:
+                tp.close(10)
 
     # -- rebalance callbacks (called from inside consume()) -------------------------------------
     def _on_assign(self, consumer, partitions) -> None:
