@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import time
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from pipeline import codec
 from pipeline.errors import DecodeError
-from pipeline.kafka import Consumer, Producer, client_conf, is_transient
+from pipeline.kafka import Consumer, Producer, client_conf, retry_transient
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
@@ -102,14 +102,9 @@ class ControlFollower:
     def catch_up(self, timeout: float = 10.0) -> dict | None:
         """Read everything already on the topic; return the newest WeightUpdate (or None)."""
         deadline = time.monotonic() + timeout
-        while True:  # a just-created topic may have no leader yet: retriable, so retry until the deadline
-            try:
-                lo, hi = self.consumer.client.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout)
-                break
-            except KafkaException as exc:
-                if not is_transient(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        tp = TopicPartition(self.topic, 0)
+        # a just-created topic may have no leader yet: transient, so retried
+        lo, hi = retry_transient(lambda: self.consumer.client.get_watermark_offsets(tp, timeout=timeout), timeout)
         while time.monotonic() < deadline:
             pos = self.consumer.client.position([TopicPartition(self.topic, 0)])[0].offset
             if hi <= lo or (pos is not None and pos >= hi):

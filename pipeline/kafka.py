@@ -67,6 +67,18 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_CODES)
 
 
+def retry_transient(fn: Callable, timeout: float = 30.0, interval: float = 0.2):
+    """Call ``fn()`` until it returns, retrying transient Kafka errors until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except KafkaException as exc:
+            if not is_transient(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(interval)
+
+
 def _raise_kafka(exc: KafkaException, what: str, cls=KafkaClientError):
     err = exc.args[0] if exc.args else None
     raise cls(f"{what}: {err}", err if isinstance(err, KafkaError) else None) from exc

@@ -29,17 +29,16 @@ import random
 import time
 import zlib
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import TopicPartition
 
 from pipeline.control import ControlFollower, now_ms
 from pipeline.errors import ConfigError, DecodeError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message, retry_transient
 from pipeline.log import kv
 from producers.datasets import dataset_hash, load_dataset
 
 log = logging.getLogger(__name__)
 STATE_COMMAND = "feed_state"
-_LEADER_ERRORS = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError._TRANSPORT}
 
 
 def split_group(n: int, parts: int) -> list[tuple[int, int]]:
@@ -56,37 +55,15 @@ def split_group(n: int, parts: int) -> list[tuple[int, int]]:
 
 def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
     """(low, high) offsets, retrying while a fresh topic's leader is not yet known."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return consumer.client.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            retriable = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_ERRORS)
-            if not retriable or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def catch_up(follower: ControlFollower, timeout: float = 30.0) -> dict | None:
-    """``follower.catch_up``, retrying while a fresh control topic has no leader yet."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return follower.catch_up(timeout)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            retriable = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_ERRORS)
-            if not retriable or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    tp = TopicPartition(topic, partition)
+    return retry_transient(lambda: consumer.client.get_watermark_offsets(tp, timeout=10), timeout)
 
 
 def read_state(cfg, name: str) -> dict | None:
     """The newest feed-state record of feed ``name`` on rl.control, or None."""
     follower = ControlFollower(cfg, "feed")
     try:
-        catch_up(follower, cfg.kafka.request_timeout_s)
+        follower.catch_up(cfg.kafka.request_timeout_s)
         states = [c for c in follower.commands if c["name"] == STATE_COMMAND and c["args"].get("feed") == name]
     finally:
         follower.close()

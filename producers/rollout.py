@@ -44,7 +44,6 @@ from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from producers.engines.base import GenOutput, GenRequest, build_engine
 from producers.envs import env_factory
-from producers.feed import catch_up
 from producers.ledger import OffsetLedger
 from producers.sample import Sample
 
@@ -108,7 +107,7 @@ class RolloutWorker:
     def run(self, stop: threading.Event | None = None) -> dict:
         stop = stop or threading.Event()
         self.consumer.subscribe([self.topics["prompts"]], on_revoke=self._on_revoke, on_lost=self._on_lost)
-        update = catch_up(self.control, self.cfg.kafka.request_timeout_s)
+        update = self.control.catch_up(self.cfg.kafka.request_timeout_s)
         if update is not None and update["version"] > self.engine.version:
             self._start_fetch(update)
             self._wait_loadable()
