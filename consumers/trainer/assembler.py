@@ -1,0 +1,147 @@
+"""Group assembly and exactly-once bookkeeping of consumed offsets. Pure Python, no Kafka calls.
+
+``GroupAssembler`` collects the samples of each ``group_id`` until the group is complete (it has
+``group_size`` samples) or its timeout passes. A trainer step takes G closed groups, oldest
+first: lowest ``group_seq`` (the feed's numbering, which admission control counts in; -1, unknown,
+counts as oldest), then lowest ``version_min``, then closing order. With a backlog spread over
+partitions the consumer sees one partition's records before the other's; FIFO by closing order
+would let older groups go stale behind newer ones, while seq order trains group g at version
+~ g // G, the version admission planned for it. A sample
+of a group that is already closed (late) or a repeated ``trajectory_id`` (duplicate) is refused.
+
+``OffsetTracker`` is the resume rule. A record is *disposed* once its fate is final: used in (or
+dropped by) a finished trainer step, or refused (late, duplicate, undecodable). Per partition it
+keeps ``floor`` = the lowest offset read but not disposed (or the next offset to read when none
+is pending) and the disposed offsets at or above the floor. A checkpoint stores exactly that; a
+restart seeks every partition to its floor and skips the disposed offsets above it, so samples
+of groups that were still assembling (or queued) at the checkpoint are read again and every
+record reaches exactly one finished step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+
+class OffsetTracker:
+    def __init__(self, state: dict | None = None):
+        self.read_pos: dict[int, int] = {}
+        self.pending: dict[int, set[int]] = defaultdict(set)
+        self.done: dict[int, set[int]] = defaultdict(set)
+        for p, st in (state or {}).items():
+            self.read_pos[int(p)] = int(st["floor"])
+            self.done[int(p)] = set(int(o) for o in st["done"])
+
+    def start_offsets(self) -> dict[int, int]:
+        """Where to seek each partition named in the restored state."""
+        return dict(self.read_pos)
+
+    def seen(self, partition: int, offset: int) -> bool:
+        """Record a read. True if the record was already disposed (skip it), else it is pending."""
+        self.read_pos[partition] = max(self.read_pos.get(partition, 0), offset + 1)
+        if offset in self.done[partition] or offset in self.pending[partition]:
+            return True
+        self.pending[partition].add(offset)
+        return False
+
+    def dispose(self, partition: int, offset: int) -> None:
+        self.pending[partition].discard(offset)
+        self.done[partition].add(offset)
+
+    def floor(self, partition: int) -> int:
+        pend = self.pending.get(partition)
+        return min(pend) if pend else self.read_pos[partition]
+
+    def snapshot(self) -> dict[str, dict]:
+        """``{partition: {"floor": f, "done": [offsets >= f]}}``; prunes disposed offsets below floors."""
+        out = {}
+        for p in sorted(self.read_pos):
+            f = self.floor(p)
+            self.done[p] = {o for o in self.done[p] if o >= f}
+            out[str(p)] = {"floor": f, "done": sorted(self.done[p])}
+        return out
+
+    def pending_count(self) -> int:
+        return sum(len(s) for s in self.pending.values())
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int
+    first_seen: float
+    samples: list = field(default_factory=list)
+    complete: bool = False
+    closed_at: float | None = None
+    close_order: int = -1
+
+    @property
+    def version_min(self) -> int:
+        return min(s.version_min for s in self.samples)
+
+    @property
+    def group_seq(self) -> int:
+        return self.samples[0].group_seq if self.samples else -1
+
+
+class GroupAssembler:
+    """Open groups by id, plus the queue of closed groups waiting for a step."""
+
+    def __init__(self, timeout_s: float, memory: int = 20_000, trained_ids: list[str] | None = None):
+        self.timeout_s = timeout_s
+        self.memory = memory
+        self.open: dict[str, Group] = {}
+        self.ready: list[Group] = []
+        self._closed = 0
+        self._queued: set[str] = set()
+        self.trained: OrderedDict[str, None] = OrderedDict((g, None) for g in (trained_ids or []))
+
+    def add(self, sample, now: float) -> str:
+        """Add a sample: "added", "complete" (its group just closed), "late" or "duplicate"."""
+        gid = sample.group_id
+        if gid in self.trained or gid in self._queued:
+            return "late"
+        g = self.open.get(gid)
+        if g is None:
+            g = self.open[gid] = Group(gid, sample.group_size, now)
+        elif any(s.trajectory_id == sample.trajectory_id for s in g.samples):
+            return "duplicate"
+        g.samples.append(sample)
+        if len(g.samples) >= g.size:
+            g.complete = True
+            self._close(g, now)
+            return "complete"
+        return "added"
+
+    def expire(self, now: float) -> list[Group]:
+        """Close every open group older than the timeout (incomplete)."""
+        old = [g for g in self.open.values() if now - g.first_seen >= self.timeout_s]
+        for g in old:
+            self._close(g, now)
+        return old
+
+    def _close(self, g: Group, now: float) -> None:
+        del self.open[g.group_id]
+        g.closed_at = now
+        g.close_order = self._closed
+        self._closed += 1
+        g.samples.sort(key=lambda s: (s.partition, s.offset))
+        self.ready.append(g)
+        self._queued.add(g.group_id)
+
+    def take(self, n: int) -> list[Group] | None:
+        """The ``n`` oldest closed groups (group_seq, version_min, closing order), or None if fewer are ready."""
+        if len(self.ready) < n:
+            return None
+        self.ready.sort(key=lambda g: (g.group_seq, g.version_min, g.close_order))
+        out, self.ready = self.ready[:n], self.ready[n:]
+        for g in out:
+            self._queued.discard(g.group_id)
+            self.trained[g.group_id] = None
+        while len(self.trained) > self.memory:
+            self.trained.popitem(last=False)
+        return out
+
+    def trained_ids(self) -> list[str]:
+        return list(self.trained)

@@ -1,0 +1,116 @@
+"""The ``torch`` train engine: AdamW on a plain HF model in one process, or DistributedDataParallel
+when launched by torchrun (WORLD_SIZE > 1; gloo on CPU, nccl on GPUs).
+
+Not sharded: every rank holds the full model and optimizer state (use ``deepspeed`` for ZeRO).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from consumers.trainer.engines.base import StepResult, TrainEngine, dist_env, merge_stats, token_logprobs, warmup_lambda
+from pipeline.log import kv
+from pipeline.models import load_model
+
+log = logging.getLogger(__name__)
+
+
+class TorchEngine(TrainEngine):
+    def __init__(self, trainer_cfg, model_dir: Path):
+        ecfg = trainer_cfg.engine
+        self.cfg = trainer_cfg
+        self.rank, self.world_size, local = dist_env()
+        use_cuda = ecfg.device == "cuda" or (ecfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device(f"cuda:{local}" if use_cuda else "cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            backend = ecfg.backend if ecfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+            torch.distributed.init_process_group(backend, timeout=timedelta(seconds=trainer_cfg.dist_timeout_s))
+        torch.manual_seed(trainer_cfg.seed)
+        self.module = load_model(model_dir, dtype=ecfg.dtype, device=str(self.device))
+        if ecfg.gradient_checkpointing:
+            self.module.gradient_checkpointing_enable()
+        self.module.train()
+        self.config = self.module.config
+        self.model = self.module
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(self.module, device_ids=[local] if use_cuda else None)
+        o = trainer_cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=trainer_cfg.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(o.warmup_steps))
+        log.info("torch engine ready %s", kv(device=self.device, world=self.world_size, dtype=ecfg.dtype))
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> StepResult:
+        self.optimizer.zero_grad(set_to_none=True)
+        total, stats = 0.0, {}
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            mb = mb.to(self.device)
+            no_sync = self.world_size > 1 and i < last
+            with self.model.no_sync() if no_sync else contextlib.nullcontext():
+                logp = token_logprobs(self.model, mb)
+                loss, st = loss_fn(logp, mb)
+                # DDP averages gradients over ranks; the loss weights are global, so undo the mean.
+                (loss * self.world_size).backward()
+            total += float(loss.detach())
+            merge_stats(stats, st)
+        grads = None
+        if capture_grads:  # before clipping, like DeepSpeed's (which clips inside step())
+            grads = {
+                n: p.grad.detach().to("cpu", copy=True) for n, p in self.module.named_parameters() if p.grad is not None
+            }
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        clip = self.cfg.optim.grad_clip
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.error("non-finite gradient norm: update skipped %s", kv(grad_norm=grad_norm))
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        return StepResult(loss=total, grad_norm=grad_norm, lr=self.lr, stats=stats, skipped=skipped, grads=grads)
+
+    @torch.no_grad()
+    def compute_logprobs(self, micro_batches) -> list:
+        return [token_logprobs(self.module, mb.to(self.device)).cpu() for mb in micro_batches]
+
+    def state_dict(self) -> dict | None:
+        if self.rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def save(self, path: Path) -> None:
+        if self.rank != 0:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        tmp = path / "engine.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(path / "engine.pt")
+
+    def load(self, path: Path) -> None:
+        state = torch.load(Path(path) / "engine.pt", map_location=self.device, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

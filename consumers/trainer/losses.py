@@ -1,0 +1,92 @@
+"""Policy losses on per-token logprobs, and the step loss of a micro-batch.
+
+Per token, with ``A`` the sample's advantage, ``mu`` the behaviour logprob (from the rollout
+engine), ``logp`` the current policy's and ``sg`` stop-gradient (docs/losses.md):
+
+* ``ppo_clip``: ``r = exp(logp - mu)``; ``l = -min(r A, clip(r, 1 - e_lo, 1 + e_hi) A)``.
+* ``tis``: ``l = -sg(min(exp(logp - mu), C)) * A * logp`` (truncated importance sampling).
+* ``decoupled_ppo`` (AReaL): ``w = exp(prox - mu)`` (tokens with ``w > cap`` get ``w = 0``),
+  ``r = exp(logp - prox)``; ``l = -sg(w) * min(r A, clip(r, 1 - e_lo, 1 + e_hi) A)``; ``prox``
+  is recomputed with the weights at the start of the trainer step.
+* ``cispo`` (MiniMax-M1): ``l = -sg(clip(exp(logp - mu), 1 - e_lo, 1 + e_hi)) * A * logp``.
+* KL penalty (``kl_coef = beta > 0``): ``l += beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3).
+
+The micro-batch loss is ``sum_i w_i sum_t mask_it l_it`` with the aggregation weights ``w_i`` of
+``batch.sample_weights``. Not an optimizer or a trainer: engines call ``micro_batch_loss``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ppo_clip(logp, old_logp, adv, eps_low: float, eps_high: float):
+    ratio = torch.exp(logp - old_logp)
+    s1 = ratio * adv
+    s2 = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(s1, s2)
+    return loss, {"ratio": ratio.detach(), "clipped": (s2 < s1).float()}
+
+
+def tis(logp, old_logp, adv, cap: float):
+    w = torch.clamp(torch.exp(logp - old_logp), max=cap).detach()
+    return -w * adv * logp, {"ratio": torch.exp(logp - old_logp).detach(), "is_weight": w}
+
+
+def decoupled_ppo(logp, old_logp, prox_logp, adv, eps_low: float, eps_high: float, cap: float | None):
+    if prox_logp is None:
+        raise ValueError("decoupled_ppo needs proximal logprobs (recomputed before the step)")
+    w = torch.exp(prox_logp - old_logp).detach()
+    capped = torch.zeros_like(w) if cap is None else (w > cap).float()
+    if cap is not None:
+        w = torch.where(w > cap, torch.zeros_like(w), w)
+    pg, stats = ppo_clip(logp, prox_logp, adv, eps_low, eps_high)
+    return w * pg, {**stats, "behav_weight": w, "behav_capped": capped}
+
+
+def cispo(logp, old_logp, adv, eps_low: float, eps_high: float):
+    ratio = torch.exp(logp - old_logp)
+    w = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
+    return -w * adv * logp, {"ratio": ratio.detach(), "clipped": (w != ratio.detach()).float()}
+
+
+def k3(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def token_loss(logp, mb, cfg):
+    """Per-token loss [b, T-1] and per-token statistics for ``cfg`` (a ``LossConfig``)."""
+    adv = mb.advantages.to(logp.dtype).unsqueeze(-1)
+    old = mb.old_logp.to(logp.dtype)
+    if cfg.type == "ppo_clip":
+        loss, stats = ppo_clip(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
+    elif cfg.type == "tis":
+        loss, stats = tis(logp, old, adv, cfg.tis_cap)
+    elif cfg.type == "decoupled_ppo":
+        prox = None if mb.prox_logp is None else mb.prox_logp.to(logp.dtype)
+        loss, stats = decoupled_ppo(logp, old, prox, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap)
+    elif cfg.type == "cispo":
+        loss, stats = cispo(logp, old, adv, cfg.cispo_eps_low, cfg.cispo_eps_high)
+    else:
+        raise ValueError(f"unknown loss {cfg.type!r}")
+    if cfg.kl_coef > 0:
+        if mb.ref_logp is None:
+            raise ValueError("kl_coef > 0 needs reference logprobs")
+        kl = k3(logp, mb.ref_logp.to(logp.dtype))
+        loss = loss + cfg.kl_coef * kl
+        stats["kl"] = kl.detach()
+    return loss, stats
+
+
+def micro_batch_loss(logp, mb, cfg):
+    """Scalar loss of one micro-batch and ``{stat: (sum, count)}`` over its trained tokens."""
+    loss_tok, stats = token_loss(logp, mb, cfg)
+    mask = mb.token_mask.to(logp.dtype)
+    weights = mb.weights.to(logp.dtype).unsqueeze(-1)
+    loss = (loss_tok * mask * weights).sum()
+    n = float(mask.sum())
+    out = {k: (float((v * mask).sum()), n) for k, v in stats.items()}
+    out["logp_diff"] = (float(((logp.detach() - mb.old_logp.to(logp.dtype)).abs() * mask).sum()), n)
+    return loss, out

@@ -1,0 +1,429 @@
+"""The trainer consumer: reads rl.scored (read_committed), assembles GRPO groups, trains one step
+per G closed groups, writes versioned weights and announces them on rl.control.
+
+Per trainer step (version ``v`` -> ``v + 1``):
+  1. take the next G closed groups (complete, or incomplete past ``group_timeout_s``);
+  2. ``batch.plan_step``: drop samples with ``v - version_min > k`` (counted as ``stale_dropped``),
+     apply the incomplete-group policy, compute advantages;
+  3. the engine runs ``minibatches`` optimizer steps over the remaining samples;
+  4. every ``publish_every`` steps: weights -> ``write_weights`` (atomic), engine checkpoint,
+     steps log, then the pointer (version, step, offsets, trained group ids) atomically, and only
+     then the WeightUpdate on rl.control; offsets are also committed to Kafka for lag visibility.
+A restart loads the pointer, seeks each partition of rl.scored to its floor (``assign``, not the
+group's committed offsets) and skips the disposed offsets above it (``assembler.OffsetTracker``),
+and re-publishes the pointer's WeightUpdate if the crash came before it reached rl.control.
+
+Under torchrun / the deepspeed launcher rank 0 does all Kafka I/O and broadcasts each step's
+samples; every rank trains its shard. Not a reward worker or a rollout follower.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+from consumers.trainer.assembler import GroupAssembler, OffsetTracker
+from consumers.trainer.batch import (
+    plan_step,
+    sample_from_record,
+    sample_weights,
+    shard_micro_batches,
+    split_minibatches,
+)
+from consumers.trainer.engines import build_engine
+from consumers.trainer.engines.base import all_reduce_sums, barrier, broadcast_object, dist_env, token_logprobs
+from consumers.trainer.losses import micro_batch_loss
+from consumers.trainer.state import TrainerCheckpoints
+from pipeline.checkpoint import gc_versions, read_bytes_verified, write_weights
+from pipeline.config import write_resolved
+from pipeline.control import ControlFollower, now_ms, publish_weight_update
+from pipeline.errors import ConfigError, DecodeError, KafkaClientError, RlstreamError
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message
+from pipeline.log import kv
+from pipeline.metrics import WorkerMetrics
+from pipeline.models import load_model, materialize
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg, max_steps: int | None = None):
+        tc = self.tc = cfg.trainer
+        self.cfg = cfg
+        self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
+        self.max_steps = tc.max_steps if max_steps is None else max_steps
+        if tc.publish_every > self.k + 1:
+            raise ConfigError(
+                f"trainer.publish_every={tc.publish_every} needs rl.max_staleness >= {tc.publish_every - 1}: "
+                "producers admit groups by the published version, so a larger interval would deadlock"
+            )
+        self.rank, self.world, _ = dist_env()
+        self.root = Path(tc.checkpoint_dir or Path(cfg.run_dir) / "trainer")
+        self.ckpts = TrainerCheckpoints(self.root)
+        if self.rank == 0:
+            write_resolved(cfg, "trainer")
+        model_dir = materialize(cfg.model)
+        self.engine = build_engine(tc, model_dir)
+        self.rank, self.world = self.engine.rank, self.engine.world_size
+        self.ref = None
+        if tc.loss.kl_coef > 0:
+            self.ref = load_model(model_dir, device=str(self.engine.device)).eval().requires_grad_(False)
+        self.loss_fn = functools.partial(micro_batch_loss, cfg=tc.loss)
+        self.version = self.step = 0
+        self.stop_requested = False
+        self._pending_log: list[dict] = []
+        ptr = self.ckpts.read_pointer()
+        self._tags = [ptr["tag"]] if ptr else []
+        if ptr:
+            self.engine.load(self.ckpts.tag_dir(ptr["tag"]))
+            self.version, self.step = int(ptr["version"]), int(ptr["step"])
+        log.info("trainer state %s", kv(rank=self.rank, version=self.version, step=self.step, resumed=bool(ptr)))
+        if self.rank == 0:
+            cut = self.ckpts.truncate_steps(self.step)
+            if cut:
+                log.info("cut steps-log lines of lost work %s", kv(lines=cut, after_step=self.step))
+            self._setup_kafka(ptr)
+
+    # ---- Kafka (rank 0) --------------------------------------------------------------------
+    def _setup_kafka(self, ptr: dict | None) -> None:
+        cfg, tc, wid = self.cfg, self.tc, self.tc.trainer_id
+        self.topic = cfg.topics.name("scored")
+        self.offsets = OffsetTracker(ptr["offsets"] if ptr else None)
+        self.assembler = GroupAssembler(
+            tc.group_timeout_s, tc.closed_group_memory, ptr["trained_groups"] if ptr else []
+        )
+        self.producer = Producer(client_conf(cfg, "trainer", wid, kind="producer"))
+        self.metrics = WorkerMetrics(
+            "trainer",
+            wid,
+            self.producer,
+            cfg.topics.name("metrics"),
+            tc.metrics_interval_s,
+            tc.prometheus_port,
+            labels={"engine": tc.engine.type, "loss": tc.loss.type},
+        )
+        self.metrics.version = self.version
+        for name, value in (ptr or {}).get("counters", {}).items():
+            self.metrics.inc(name, value)  # counters are cumulative across restarts
+        self.consumer = Consumer(client_conf(cfg, "trainer", wid, kind="consumer"), group_id=tc.group_id)
+        meta = self.consumer.client.list_topics(self.topic, timeout=cfg.kafka.request_timeout_s)
+        tmeta = meta.topics.get(self.topic)
+        if tmeta is None or tmeta.error is not None or not tmeta.partitions:
+            raise KafkaClientError(
+                f"topic {self.topic} is not available ({tmeta and tmeta.error}); run `rlstream topics create`"
+            )
+        starts = self.offsets.start_offsets()
+        parts = sorted(tmeta.partitions)
+        self.consumer.assign([TopicPartition(self.topic, p, starts.get(p, OFFSET_BEGINNING)) for p in parts])
+        log.info("consuming %s", kv(topic=self.topic, partitions=len(parts), start={p: starts.get(p) for p in parts}))
+        self._reconcile_control(ptr)
+
+    def _reconcile_control(self, ptr: dict | None) -> None:
+        """Make rl.control agree with the checkpoint: re-publish its notice if a crash came before it."""
+        follower = ControlFollower(self.cfg, "trainer", self.tc.trainer_id)
+        try:
+            latest = follower.catch_up(self.cfg.kafka.request_timeout_s)
+        finally:
+            follower.close()
+        published = latest["version"] if latest else 0
+        if published > self.version:
+            raise RlstreamError(
+                f"{self.cfg.topics.name('control')} already announces version {published} but this trainer's checkpoint "
+                f"({self.root}) is at version {self.version}; refusing to announce different weights under the same "
+                "version (restore the checkpoint dir or use a fresh topics.prefix)"
+            )
+        if published < self.version:
+            update = ptr["update"]
+            read_bytes_verified(update["uri"], update["sha256"])
+            publish_weight_update(self.producer, self.cfg.topics.name("control"), update)
+            log.info("re-published weight update after restart %s", kv(version=update["version"]))
+
+    def _ingest(self, msgs) -> None:
+        now = time.monotonic()
+        for m in msgs:
+            p, o = m.partition(), m.offset()
+            if self.offsets.seen(p, o):
+                self.metrics.inc("resume_skipped")
+                continue
+            try:
+                sample = sample_from_record(decode_message(m, "ScoredTrajectory"), p, o)
+            except DecodeError as exc:
+                self._dead_letter(m, exc)
+                self.offsets.dispose(p, o)
+                continue
+            status = self.assembler.add(sample, now)
+            self.metrics.inc("records_read")
+            if status in ("late", "duplicate"):
+                self.offsets.dispose(p, o)
+                self.metrics.inc(f"{status}_dropped")
+                log.warning(
+                    "refused sample %s", kv(reason=status, trajectory=sample.trajectory_id, partition=p, offset=o)
+                )
+
+    def _dead_letter(self, msg, exc: DecodeError) -> None:
+        rec = {
+            "source_topic": msg.topic(),
+            "source_partition": msg.partition(),
+            "source_offset": msg.offset(),
+            "key": msg.key(),
+            "value": msg.value(),
+            "headers": {k: v or b"" for k, v in (msg.headers() or [])},
+            "error_type": exc.error_type,
+            "reason": str(exc),
+            "role": "trainer",
+            "worker_id": self.tc.trainer_id,
+            "failed_at_ms": now_ms(),
+        }
+        self.producer.produce_record(self.cfg.topics.name("dlq"), "DeadLetter", rec, key=msg.key())
+        self.metrics.inc("dead_lettered")
+        log.error("dead-lettered record %s", kv(partition=msg.partition(), offset=msg.offset(), reason=exc))
+
+    def _next(self):
+        """Rank 0: ("step", samples), ("idle", None) or ("stop", None)."""
+        if self.stop_requested:
+            return "stop", None
+        groups = self.assembler.take(self.G)
+        if groups is None:
+            first = self.consumer.poll(self.tc.poll_timeout_s)
+            msgs = ([first] if first is not None else []) + self.consumer.consume(5000, 0)
+            self._ingest(msgs)
+            for g in self.assembler.expire(time.monotonic()):
+                log.warning("closed incomplete group %s", kv(group=g.group_id, have=len(g.samples), want=g.size))
+            self.metrics.set("open_groups", len(self.assembler.open))
+            self.metrics.set("ready_groups", len(self.assembler.ready))
+            self.metrics.maybe_publish()
+            groups = self.assembler.take(self.G)
+            if groups is None:
+                return "idle", None
+        plan = plan_step(groups, self.version, self.k, self.tc.incomplete_groups, self.tc.advantage)
+        self._current = (groups, plan)
+        return "step", plan.train
+
+    # ---- the loop (every rank) -------------------------------------------------------------
+    def run(self) -> int:
+        """Train until ``max_steps`` (0: forever) or SIGTERM/SIGINT. Returns the step reached."""
+        restore = self._install_signals()
+        try:
+            while not (self.max_steps and self.step >= self.max_steps):
+                cmd, payload = self._next() if self.rank == 0 else (None, None)
+                cmd, payload = broadcast_object((cmd, payload), self.world)
+                if cmd == "stop":
+                    break
+                if cmd == "step":
+                    self._do_step(payload)
+            # Stopped between checkpoints: keep what was trained (a collective, so every rank decides).
+            if broadcast_object(bool(self._pending_log) if self.rank == 0 else None, self.world):
+                self._checkpoint()
+        finally:
+            restore()
+        return self.step
+
+    def _install_signals(self):
+        if self.rank != 0 or threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum, _frame):
+            log.info("stopping on signal %s", kv(signal=signum))
+            self.stop_requested = True
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+    def _do_step(self, samples) -> None:
+        t0 = time.monotonic()
+        result = self._train(samples)
+        self.step += 1
+        self.version += 1
+        if self.rank == 0:
+            self._account(result, time.monotonic() - t0)
+        if self.step % self.tc.publish_every == 0 or (self.max_steps and self.step >= self.max_steps):
+            self._checkpoint()
+
+    def _train(self, samples) -> dict:
+        """The optimizer steps of one trainer step on this rank's shard; sums over ranks."""
+        tc, eng = self.tc, self.engine
+        out = {"loss": 0.0, "grad_norm": 0.0, "lr": eng.lr, "optimizer_steps": 0, "skipped": 0, "stats": {}}
+        if not samples:
+            return out
+        minis = [m for m in split_minibatches(samples, tc.minibatches, tc.seed * 1_000_003 + self.step) if m]
+        plans = [
+            shard_micro_batches(m, sample_weights(m, tc.loss), self.rank, self.world, tc.micro_batch_size, eng.pad_id)
+            for m in minis
+        ]
+        if tc.loss.type == "decoupled_ppo":  # proximal policy = the weights before this step's first update
+            for mbs in plans:
+                for mb, lp in zip(mbs, eng.compute_logprobs(mbs), strict=True):
+                    mb.prox_logp = lp
+        if self.ref is not None:
+            import torch
+
+            with torch.no_grad():
+                for mbs in plans:
+                    for mb in mbs:
+                        mb.ref_logp = token_logprobs(self.ref, mb.to(eng.device)).cpu()
+        stats: dict[str, list[float]] = {}
+        for mbs in plans:
+            res = eng.train_step(mbs, self.loss_fn)
+            names = sorted(res.stats)
+            flat = [res.loss, float(res.skipped)] + [x for n in names for x in res.stats[n]]
+            tot = all_reduce_sums(flat, self.world, eng.device if self.world > 1 else "cpu")
+            out["loss"] += tot[0] / len(plans)
+            out["skipped"] += int(tot[1] > 0)
+            out["grad_norm"] = res.grad_norm
+            out["lr"] = res.lr
+            out["optimizer_steps"] += 1
+            for i, n in enumerate(names):
+                s, c = stats.get(n, [0.0, 0.0])
+                stats[n] = [s + tot[2 + 2 * i], c + tot[3 + 2 * i]]
+        out["stats"] = {n: s / c for n, (s, c) in stats.items() if c > 0}
+        return out
+
+    def _account(self, result: dict, step_s: float) -> None:
+        """Rank 0: dispose the step's records, count, log, report."""
+        groups, plan = self._current
+        for g in groups:
+            for s in g.samples:
+                self.offsets.dispose(s.partition, s.offset)
+        m = self.metrics
+        m.inc("steps")
+        m.inc("optimizer_steps", result["optimizer_steps"])
+        m.inc("updates_skipped", result["skipped"])
+        m.inc("groups_closed", len(groups))
+        m.inc("groups_incomplete", plan.incomplete_groups)
+        m.inc("samples_trained", len(plan.train))
+        m.inc("stale_dropped", len(plan.stale))
+        m.inc("incomplete_dropped", len(plan.incomplete_dropped))
+        lags = plan.version_lag_counts()
+        for name in [n for n in m.gauges if n.startswith("version_lag_")]:
+            del m.gauges[name]
+        rewards = [s.reward for s in plan.train]
+        gauges = {
+            "step": self.step,
+            "loss": result["loss"],
+            "grad_norm": result["grad_norm"],
+            "lr": result["lr"],
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "step_time_s": step_s,
+            "samples_per_s": len(plan.train) / step_s if step_s > 0 else 0.0,
+            **{f"loss_{k}": v for k, v in result["stats"].items()},
+            **{f"version_lag_{d}": n for d, n in lags.items()},
+        }
+        for name, value in gauges.items():
+            m.set(name, value)
+        m.version = self.version
+        self._pending_log.append(
+            {
+                "step": self.step,
+                "version": plan.version,
+                "time": time.time(),
+                "used": [s.trajectory_id for s in plan.train],
+                "stale": [s.trajectory_id for s in plan.stale],
+                "incomplete_dropped": [s.trajectory_id for s in plan.incomplete_dropped],
+                "groups": [g.group_id for g in groups],
+                "staleness": {str(d): n for d, n in lags.items()},
+                **{k: gauges[k] for k in ("loss", "grad_norm", "lr", "reward_mean", "samples_per_s", "step_time_s")},
+            }
+        )
+        log.info(
+            "step %s",
+            kv(
+                step=self.step,
+                version=self.version,
+                samples=len(plan.train),
+                stale=len(plan.stale),
+                incomplete_dropped=len(plan.incomplete_dropped),
+                loss=round(result["loss"], 5),
+                grad_norm=round(result["grad_norm"], 4),
+                reward=round(gauges["reward_mean"], 3),
+                s=round(step_s, 3),
+            ),
+        )
+        m.publish()
+
+    # ---- checkpoint + publish (every rank) ------------------------------------------------
+    def _checkpoint(self) -> None:
+        sd = self.engine.state_dict()
+        tag = broadcast_object(self.ckpts.new_tag(self.step) if self.rank == 0 else None, self.world)
+        update = None
+        if self.rank == 0:
+            t0 = time.monotonic()
+            uri, sha, nbytes = write_weights(self.cfg.store, self.version, sd)
+            update = {
+                "version": self.version,
+                "uri": uri,
+                "sha256": sha,
+                "bytes": nbytes,
+                "step": self.step,
+                "created_at_ms": now_ms(),
+                "format": "safetensors",
+                "trainer_id": self.tc.trainer_id,
+                "metadata": {"engine": self.tc.engine.type},
+            }
+            self.metrics.set("weights_write_ms", (time.monotonic() - t0) * 1e3)
+        del sd
+        t1 = time.monotonic()
+        self.engine.save(self.ckpts.tag_dir(tag))
+        barrier(self.world)
+        if self.rank != 0:
+            return
+        self.ckpts.append_steps(self._pending_log)
+        self._pending_log = []
+        snapshot = self.offsets.snapshot()
+        self.ckpts.write_pointer(
+            {
+                "version": self.version,
+                "step": self.step,
+                "tag": tag,
+                "topic": self.topic,
+                "offsets": snapshot,
+                "trained_groups": self.assembler.trained_ids(),
+                "update": update,
+                "counters": dict(self.metrics.counters),
+                "written_at_ms": now_ms(),
+            }
+        )
+        t2 = time.monotonic()
+        publish_weight_update(self.producer, self.cfg.topics.name("control"), update)
+        t3 = time.monotonic()
+        self._commit_offsets(snapshot)
+        self._tags = [*self._tags, tag][-self.tc.keep_checkpoints :]
+        self.ckpts.gc(self._tags)
+        gc_versions(self.cfg.store, self.tc.keep_weight_versions)
+        self.metrics.set("trainer_ckpt_ms", (t2 - t1) * 1e3)
+        self.metrics.set("publish_ms", (t3 - t2) * 1e3)
+        self.metrics.observe("publish_latency_ms", (t3 - t2) * 1e3)
+
+    def _commit_offsets(self, snapshot: dict) -> None:
+        """Commit the floors to the consumer group: lag visibility only (resume never reads them)."""
+        tps = [TopicPartition(self.topic, int(p), st["floor"]) for p, st in snapshot.items()]
+        if not tps:
+            return
+        try:
+            self.consumer.commit(offsets=tps)
+        except KafkaClientError as exc:  # fault tolerance intended: the checkpoint holds the truth
+            log.warning("offset commit failed (lag display only) %s", kv(error=exc))
+
+    def close(self) -> None:
+        if self.rank != 0:
+            return
+        try:
+            self.metrics.publish()
+            self.metrics.close()
+            self.consumer.close()
+        finally:
+            self.producer.close()
+
+
+def run(cfg, max_steps: int | None = None) -> int:
+    """Run the trainer (``rlstream train``). Returns the step reached."""
+    trainer = Trainer(cfg, max_steps=max_steps)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
