@@ -187,10 +187,11 @@ def test_deepspeed_trainer_resumes_to_the_same_weights(make_config, tmp_path):
         "rl.group_size=2",
         "rl.groups_per_step=1",
         "rl.max_staleness=4",
+        "topics.scored.partitions=1",  # one arrival order, so both runs train the same steps
         "trainer.lr=0.01",
         "trainer.poll_timeout_s=0.2",
     ]
-    records = [[scored(f"r{g}", i, 2, 0, float((g + i) % 2)) for i in range(2)] for g in range(3)]
+    records = [[scored(f"r{g}", i, 2, 0, float((g + i) % 2), seq=g) for i in range(2)] for g in range(3)]
     runs = {}
     for name, extra in (
         ("ds", ["trainer.engine.type=deepspeed", "trainer.engine.zero_stage=2"]),
@@ -218,3 +219,40 @@ def test_deepspeed_trainer_resumes_to_the_same_weights(make_config, tmp_path):
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     two_rank_main(sys.argv[1])
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [pytest.param("deepspeed", marks=pytest.mark.deepspeed), "torch"])
+def test_cli_trainer_on_two_processes_resumes(make_config, cli_env, engine):
+    """``torchrun --nproc_per_node 2 -m pipeline.cli train --engine deepspeed`` (ZeRO-2), and the
+    torch engine as DDP: rank 0 consumes and broadcasts, both ranks train; a second launch resumes
+    from the two-rank checkpoint."""
+    from consumers.trainer.state import read_steps_log
+    from tests.test_trainer import ScoredProducer, read_topic, scored
+
+    sets = [*TINY, "rl.group_size=4", "rl.groups_per_step=1", "rl.max_staleness=4", "topics.scored.partitions=1"]
+    cfg = make_config(*sets)
+    sp = ScoredProducer(cfg)
+    for g in range(3):
+        sp.send([scored(f"d{g}", i, 4, 0, float(i % 2), seq=g) for i in range(4)])
+    sp.close()
+    env = {k: v for k, v in cli_env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    args = ["train", "--engine", engine, *[x for s in sets for x in ("--set", s)]]
+
+    def launch(max_steps: int) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+        cmd += [f"--master_port={_free_port()}", "-m", "pipeline.cli", *args, "--max-steps", str(max_steps)]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+        return p.stderr
+
+    first = launch(2)
+    assert 'world="2"' in first and ('zero_stage="2"' in first or engine == "torch")
+    second = launch(3)
+    assert 'resumed="True"' in second and 'step="2"' in second
+    root = Path(cfg.run_dir) / "trainer"
+    steps = read_steps_log(root)
+    assert [s["used"] for s in steps] == [[f"d{g}/{i}" for i in range(4)] for g in range(3)]
+    assert [r["version"] for n, r in read_topic(cfg, "control") if n == "WeightUpdate"] == [1, 2, 3]

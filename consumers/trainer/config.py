@@ -45,7 +45,17 @@ class DeepSpeedEngineConfig(StrictModel):
     """Merged last into the generated DeepSpeed config (e.g. {"zero_optimization": {"overlap_comm": true}})."""
 
 
-EngineConfig = Annotated[TorchEngineConfig | DeepSpeedEngineConfig, Field(discriminator="type")]
+class SimEngineConfig(StrictModel):
+    """A load generator, NOT a trainer: sleeps ``token_cost_s`` per token of the step's samples and
+    leaves the weights unchanged. The rest of the trainer (Kafka, staleness gate, checkpoints,
+    WeightUpdates) is real; benchmarks use it to measure the pipeline's scheduling (bench/async_sync.py)."""
+
+    type: Literal["sim"] = "sim"
+    token_cost_s: float = Field(1e-4, ge=0, le=1.0)
+    """Wall seconds per (prompt + response) token of every trained sample."""
+
+
+EngineConfig = Annotated[TorchEngineConfig | DeepSpeedEngineConfig | SimEngineConfig, Field(discriminator="type")]
 
 
 class OptimConfig(StrictModel):
@@ -118,7 +128,7 @@ class TrainerConfig(StrictModel):
     lr: float = Field(1e-4, gt=0, le=1.0)
     """Learning rate (after warmup)."""
     engine: EngineConfig = TorchEngineConfig()
-    """The train engine: ``type = "torch"`` or ``type = "deepspeed"``."""
+    """The train engine: ``type = "torch"``, ``"deepspeed"``, or ``"sim"`` (a load generator for benchmarks)."""
     optim: OptimConfig = OptimConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
