@@ -134,8 +134,8 @@ def test_stale_samples_never_reach_the_loss(make_config):
     records = {}
     sp = ScoredProducer(cfg)
     for b in batches:
-        for gid, vmins in b.items():
-            recs = [scored(gid, i, 4, v, rewards[i]) for i, v in enumerate(vmins)]
+        for gid, vmins in b.items():  # group_seq fixes the order steps take the groups in
+            recs = [scored(gid, i, 4, v, rewards[i], seq=int(gid[1:])) for i, v in enumerate(vmins)]
             records[gid] = recs
             sp.send(recs)
     sp.close()
@@ -248,6 +248,47 @@ def test_weight_update_is_announced_only_after_its_checkpoint_is_readable(make_c
     t.join(5)
     assert at_publish == [(v, True, v) for v in (1, 2, 3, 4)]
     assert seen == [(v, True) for v in (1, 2, 3, 4)]
+
+
+def test_bad_late_and_duplicate_records_are_refused_and_one_trainer_owns_the_dir(make_config):
+    from consumers.trainer.state import read_steps_log
+    from consumers.trainer.worker import Trainer
+    from pipeline.errors import RlstreamError
+
+    cfg = make_config(*TINY, "rl.group_size=2", "rl.groups_per_step=1", "topics.scored.partitions=1")
+    bad = scored("b0", 0, 2, 0, 1.0)
+    bad["trajectory"]["logprobs"] = bad["trajectory"]["logprobs"][:-4]  # one logprob short
+    good = [scored("ok", i, 2, 0, float(i)) for i in range(2)]
+    sp = ScoredProducer(cfg)
+    sp.send([bad, good[0], good[0], good[1], scored("ok", 2, 2, 0, 1.0)])  # duplicate, then a late third
+    sp.p.begin_transaction()
+    sp.p.produce(cfg.topics.name("scored"), b"not avro at all", key=b"junk")
+    sp.p.commit_transaction()
+    sp.close()
+
+    trainer = Trainer(cfg, max_steps=1)
+    try:
+        with pytest.raises(RlstreamError, match="another trainer"):
+            Trainer(cfg, max_steps=1)
+        assert trainer.run() == 1
+        counters = dict(trainer.metrics.counters)
+    finally:
+        trainer.close()
+    assert [s["used"] for s in read_steps_log(Path(cfg.run_dir) / "trainer")] == [["ok/0", "ok/1"]]
+    assert counters["duplicate_dropped"] == 1 and counters["late_dropped"] == 1
+    dlq = [r for name, r in read_topic(cfg, "dlq") if name == "DeadLetter"]
+    assert sorted(r["error_type"] for r in dlq) == ["decode", "invalid"]
+    assert any("logprobs" in r["reason"] for r in dlq) and {r["role"] for r in dlq} == {"trainer"}
+    Trainer(cfg, max_steps=1).close()  # the directory is free again once the first one closed
+
+
+def test_missing_topics_are_a_clear_error(make_config):
+    from consumers.trainer.worker import Trainer
+    from pipeline.errors import KafkaClientError
+
+    cfg = make_config(*TINY, create=False)
+    with pytest.raises(KafkaClientError, match="topics create"):
+        Trainer(cfg)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ Not the published weights: those go to ``cfg.store`` via ``pipeline.checkpoint.w
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from pipeline.checkpoint import atomic_write_bytes
+from pipeline.errors import RlstreamError
 
 POINTER = "checkpoint.json"
 STEPS_LOG = "steps.jsonl"
@@ -30,6 +32,27 @@ class TrainerCheckpoints:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.ckpts = self.root / "ckpts"
+
+    def lock(self):
+        """Hold an exclusive lock on the directory (``.lock``); RlstreamError if another trainer has it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        f = open(self.root / ".lock", "a+")  # held until unlock()
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise RlstreamError(f"another trainer is using {self.root} (its .lock is held)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return f
+
+    @staticmethod
+    def unlock(handle) -> None:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
     def read_pointer(self) -> dict | None:
         p = self.root / POINTER

@@ -29,17 +29,12 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
-from consumers.trainer.batch import (
-    plan_step,
-    sample_from_record,
-    sample_weights,
-    shard_micro_batches,
-    split_minibatches,
-)
+from consumers.trainer.batch import plan_step, sample_from_record
 from consumers.trainer.engines import build_engine
-from consumers.trainer.engines.base import all_reduce_sums, barrier, broadcast_object, dist_env, token_logprobs
+from consumers.trainer.engines.base import barrier, broadcast_object, dist_env
 from consumers.trainer.losses import micro_batch_loss
 from consumers.trainer.state import TrainerCheckpoints
+from consumers.trainer.step import train_samples
 from pipeline.checkpoint import gc_versions, read_bytes_verified, write_weights
 from pipeline.config import write_resolved
 from pipeline.control import ControlFollower, now_ms, publish_weight_update
@@ -66,6 +61,15 @@ class Trainer:
         self.rank, self.world, _ = dist_env()
         self.root = Path(tc.checkpoint_dir or Path(cfg.run_dir) / "trainer")
         self.ckpts = TrainerCheckpoints(self.root)
+        self._lock = self.ckpts.lock() if self.rank == 0 else None  # one trainer per dir; the OS frees it on kill -9
+        try:
+            self._start()
+        except BaseException:
+            self.ckpts.unlock(self._lock)
+            raise
+
+    def _start(self) -> None:
+        cfg, tc = self.cfg, self.tc
         if self.rank == 0:
             write_resolved(cfg, "trainer")
         model_dir = materialize(cfg.model)
@@ -120,6 +124,11 @@ class Trainer:
             )
         starts = self.offsets.start_offsets()
         parts = sorted(tmeta.partitions)
+        for p, floor in starts.items():
+            low, _ = self.consumer.client.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
+            if floor < low:  # retention deleted records this trainer never used: say so, loudly
+                log.error("records lost to retention %s", kv(partition=p, floor=floor, log_start=low, lost=low - floor))
+                self.metrics.inc("retention_lost", low - floor)
         self.consumer.assign([TopicPartition(self.topic, p, starts.get(p, OFFSET_BEGINNING)) for p in parts])
         log.info("consuming %s", kv(topic=self.topic, partitions=len(parts), start={p: starts.get(p) for p in parts}))
         self._reconcile_control(ptr)
@@ -246,43 +255,7 @@ class Trainer:
             self._checkpoint()
 
     def _train(self, samples) -> dict:
-        """The optimizer steps of one trainer step on this rank's shard; sums over ranks."""
-        tc, eng = self.tc, self.engine
-        out = {"loss": 0.0, "grad_norm": 0.0, "lr": eng.lr, "optimizer_steps": 0, "skipped": 0, "stats": {}}
-        if not samples:
-            return out
-        minis = [m for m in split_minibatches(samples, tc.minibatches, tc.seed * 1_000_003 + self.step) if m]
-        plans = [
-            shard_micro_batches(m, sample_weights(m, tc.loss), self.rank, self.world, tc.micro_batch_size, eng.pad_id)
-            for m in minis
-        ]
-        if tc.loss.type == "decoupled_ppo":  # proximal policy = the weights before this step's first update
-            for mbs in plans:
-                for mb, lp in zip(mbs, eng.compute_logprobs(mbs), strict=True):
-                    mb.prox_logp = lp
-        if self.ref is not None:
-            import torch
-
-            with torch.no_grad():
-                for mbs in plans:
-                    for mb in mbs:
-                        mb.ref_logp = token_logprobs(self.ref, mb.to(eng.device)).cpu()
-        stats: dict[str, list[float]] = {}
-        for mbs in plans:
-            res = eng.train_step(mbs, self.loss_fn)
-            names = sorted(res.stats)
-            flat = [res.loss, float(res.skipped)] + [x for n in names for x in res.stats[n]]
-            tot = all_reduce_sums(flat, self.world, eng.device if self.world > 1 else "cpu")
-            out["loss"] += tot[0] / len(plans)
-            out["skipped"] += int(tot[1] > 0)
-            out["grad_norm"] = res.grad_norm
-            out["lr"] = res.lr
-            out["optimizer_steps"] += 1
-            for i, n in enumerate(names):
-                s, c = stats.get(n, [0.0, 0.0])
-                stats[n] = [s + tot[2 + 2 * i], c + tot[3 + 2 * i]]
-        out["stats"] = {n: s / c for n, (s, c) in stats.items() if c > 0}
-        return out
+        return train_samples(self.engine, samples, self.tc, self.loss_fn, self.step, self.ref)
 
     def _account(self, result: dict, step_s: float) -> None:
         """Rank 0: dispose the step's records, count, log, report."""
@@ -414,10 +387,15 @@ class Trainer:
             return
         try:
             self.metrics.publish()
-            self.metrics.close()
-            self.consumer.close()
         finally:
-            self.producer.close()
+            try:
+                self.metrics.close()
+                self.consumer.close()
+            finally:
+                try:
+                    self.producer.close()
+                finally:
+                    self.ckpts.unlock(self._lock)
 
 
 def run(cfg, max_steps: int | None = None) -> int:

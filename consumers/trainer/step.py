@@ -1,0 +1,66 @@
+"""One trainer step on this rank: split the step's samples into ``trainer.minibatches`` seeded
+minibatches, shard each over the data-parallel ranks, fill in the proximal logprobs (decoupled
+PPO: the weights *before* the step's first update) and the reference logprobs (KL penalty), then
+run one optimizer step per minibatch and sum the results over ranks.
+
+It is called by every rank with the same samples (rank 0 broadcasts them); Kafka, versions and
+the staleness gate are the caller's (``worker.py``, ``batch.plan_step``).
+"""
+
+from __future__ import annotations
+
+from consumers.trainer.batch import sample_weights, shard_micro_batches, split_minibatches
+from consumers.trainer.engines.base import all_reduce_sums, token_logprobs
+
+
+def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> list[list]:
+    """Per minibatch, this rank's micro-batches, with ``prox_logp``/``ref_logp`` filled when needed."""
+    tc = trainer_cfg
+    minis = [m for m in split_minibatches(samples, tc.minibatches, tc.seed * 1_000_003 + step) if m]
+    plans = [
+        shard_micro_batches(
+            m, sample_weights(m, tc.loss), engine.rank, engine.world_size, tc.micro_batch_size, engine.pad_id
+        )
+        for m in minis
+    ]
+    if tc.loss.type == "decoupled_ppo":  # proximal policy = the weights before this step's first update
+        for mbs in plans:
+            for mb, lp in zip(mbs, engine.compute_logprobs(mbs), strict=True):
+                mb.prox_logp = lp
+    if ref is not None:
+        import torch
+
+        with torch.no_grad():
+            for mbs in plans:
+                for mb in mbs:
+                    mb.ref_logp = token_logprobs(ref, mb.to(engine.device)).cpu()
+    return plans
+
+
+def train_samples(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, on_minibatch=None) -> dict:
+    """Run the optimizer steps of one trainer step. Returns loss (mean over minibatches of the
+    summed-over-ranks loss), grad_norm and lr of the last update, counts, and token-mean stats.
+    ``on_minibatch(micro_batches)`` is called before each update (tests inspect the inputs)."""
+    out = {"loss": 0.0, "grad_norm": 0.0, "lr": engine.lr, "optimizer_steps": 0, "skipped": 0, "stats": {}}
+    if not samples:  # nothing to learn from: no update (Adam's momentum would still move weights)
+        return out
+    plans = prepare(engine, samples, trainer_cfg, step, ref)
+    world = engine.world_size
+    stats: dict[str, list[float]] = {}
+    for mbs in plans:
+        if on_minibatch is not None:
+            on_minibatch(mbs)
+        res = engine.train_step(mbs, loss_fn)
+        names = sorted(res.stats)
+        flat = [res.loss, float(res.skipped)] + [x for n in names for x in res.stats[n]]
+        tot = all_reduce_sums(flat, world, engine.device if world > 1 else "cpu")
+        out["loss"] += tot[0] / len(plans)
+        out["skipped"] += int(tot[1] > 0)
+        out["grad_norm"] = res.grad_norm
+        out["lr"] = res.lr
+        out["optimizer_steps"] += 1
+        for i, n in enumerate(names):
+            s, c = stats.get(n, [0.0, 0.0])
+            stats[n] = [s + tot[2 + 2 * i], c + tot[3 + 2 * i]]
+    out["stats"] = {n: s / c for n, (s, c) in stats.items() if c > 0}
+    return out
