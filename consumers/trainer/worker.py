@@ -115,7 +115,8 @@ class Trainer:
         self.metrics.version = self.version
         for name, value in (ptr or {}).get("counters", {}).items():
             self.metrics.inc(name, value)  # counters are cumulative across restarts
-        self.consumer = Consumer(client_conf(cfg, "trainer", wid, kind="consumer"), group_id=tc.group_id)
+        conf = {**client_conf(cfg, "trainer", wid, kind="consumer"), "on_commit": self._on_commit}
+        self.consumer = Consumer(conf, group_id=tc.group_id)
         meta = self.consumer.client.list_topics(self.topic, timeout=cfg.kafka.request_timeout_s)
         tmeta = meta.topics.get(self.topic)
         if tmeta is None or tmeta.error is not None or not tmeta.partitions:
@@ -373,20 +374,28 @@ class Trainer:
         self.metrics.observe("publish_latency_ms", (t3 - t2) * 1e3)
 
     def _commit_offsets(self, snapshot: dict) -> None:
-        """Commit the floors to the consumer group: lag visibility only (resume never reads them)."""
+        """Commit the floors to the consumer group, asynchronously: lag visibility only (resume never
+        reads them), so a step does not wait for the group coordinator's round trip."""
         tps = [TopicPartition(self.topic, int(p), st["floor"]) for p, st in snapshot.items()]
-        if not tps:
-            return
-        try:
-            self.consumer.commit(offsets=tps)
-        except KafkaClientError as exc:  # fault tolerance intended: the checkpoint holds the truth
-            log.warning("offset commit failed (lag display only) %s", kv(error=exc))
+        if tps:
+            self.consumer.client.commit(offsets=tps, asynchronous=True)
+            self._last_commit = tps
+
+    @staticmethod
+    def _on_commit(err, partitions) -> None:
+        if err is not None:  # fault tolerance intended: the checkpoint holds the truth
+            log.warning("offset commit failed (lag display only) %s", kv(error=err))
 
     def close(self) -> None:
         if self.rank != 0:
             return
         try:
             self.metrics.publish()
+            if getattr(self, "_last_commit", None):  # the last floors, synchronously, before leaving
+                try:
+                    self.consumer.commit(offsets=self._last_commit)
+                except KafkaClientError as exc:  # lag display only
+                    log.warning("final offset commit failed %s", kv(error=exc))
         finally:
             try:
                 self.metrics.close()
