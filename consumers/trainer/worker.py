@@ -235,12 +235,15 @@ class Trainer:
         return self.step
 
     def _install_signals(self):
-        if self.rank != 0 or threading.current_thread() is not threading.main_thread():
+        """SIGTERM/SIGINT: rank 0 stops after the current step and broadcasts the stop; other ranks
+        (a launcher signals them all) keep going until that broadcast, so no collective is left
+        half-done."""
+        if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
         def on_signal(signum, _frame):
-            log.info("stopping on signal %s", kv(signal=signum))
-            self.stop_requested = True
+            log.info("stopping on signal %s", kv(signal=signum, rank=self.rank))
+            self.stop_requested = True  # read on rank 0 only
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
