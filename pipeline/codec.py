@@ -35,11 +35,31 @@ def encode(name: str, record: dict, ctx=None) -> bytes:
     buf.write(MAGIC)
     buf.write(info.fingerprint)
     try:
-        fastavro.schemaless_writer(buf, info.parsed, record)
+        fastavro.schemaless_writer(buf, info.parsed, _with_bytes_defaults(info.parsed, record))
     except Exception as exc:  # fastavro raises ValueError/TypeError/KeyError/AttributeError
         where = f" for {ctx}" if ctx else ""
         raise SerializationError(f"cannot encode {info.label}{where}: {exc}") from exc
     return buf.getvalue()
+
+
+def _with_bytes_defaults(schema: dict, record):
+    """Fill missing ``bytes`` fields with their default. Avro writes a bytes default as a JSON string
+    whose code points are the bytes; fastavro would pass that ``str`` through and fail."""
+    if not isinstance(record, dict) or not isinstance(schema, dict) or schema.get("type") != "record":
+        return record
+    out = record
+    for f in schema["fields"]:
+        name, ftype = f["name"], f["type"]
+        if name not in record:
+            if ftype == "bytes" and isinstance(f.get("default"), str):
+                out = dict(out) if out is record else out
+                out[name] = f["default"].encode("latin-1")
+        elif isinstance(ftype, dict) and ftype.get("type") == "record":
+            sub = _with_bytes_defaults(ftype, record[name])
+            if sub is not record[name]:
+                out = dict(out) if out is record else out
+                out[name] = sub
+    return out
 
 
 def schema_of(data: bytes) -> schemas.SchemaInfo:

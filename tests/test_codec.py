@@ -118,3 +118,12 @@ def test_schema_evolution_new_optional_field(tmp_path, monkeypatch):
     finally:
         for fn in (schemas.all_schemas, schemas.latest, schemas.by_fingerprint):
             fn.cache_clear()
+
+
+def test_missing_bytes_field_takes_its_default():
+    t = make_trajectory()
+    del t["loss_mask"]
+    assert codec.decode_as(codec.encode("Trajectory", t), "Trajectory")["loss_mask"] == b""
+    rec = {"trajectory": t, "reward": 0.5, "scorer_id": "r", "scored_at_ms": 1}
+    assert codec.decode_as(codec.encode("ScoredTrajectory", rec), "ScoredTrajectory")["trajectory"]["loss_mask"] == b""
+    assert "loss_mask" not in t  # the caller's record is not modified

@@ -67,5 +67,5 @@ def test_partial_union_table_keeps_default_type():
     assert cfg.rollout.engine.type == "hf" and cfg.rollout.engine.device == "cpu"
     cfg = load_config(overrides=['model.type="pretrained"', 'model.path="/m"'], environ={})
     assert cfg.model.type == "pretrained"
-    with pytest.raises(ConfigError, match="model.pretrained.hidden_size"):
+    with pytest.raises(ConfigError, match=r"model\.pretrained\.hidden_size"):
         load_config(overrides=['model.type="pretrained"', 'model.path="/m"', "model.hidden_size=3"], environ={})
