@@ -21,6 +21,11 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved config
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
+bench_app = typer.Typer(
+    no_args_is_help=True,
+    help="Benchmarks (async vs sync, transport, weight notices, scaling); results as JSON + PNG, tables for the docs.",
+)
+app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.", show_default=False)]
@@ -326,6 +331,106 @@ def demo(
         topic_prefix=topic_prefix,
     )
     raise typer.Exit(0 if report["status"] == "ok" else 1)
+
+
+# ---- bench ----------------------------------------------------------------------------------
+SizeOpt = Annotated[str, typer.Option("--size", help="tiny (CI smoke test) | full (the documented run).")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Run directory (default <run_dir>/bench-<id>).")]
+DocsOpt = Annotated[
+    Path | None, typer.Option("--docs", help="Update the generated tables of this markdown file (docs/benchmarks.md).")
+]
+BootstrapOpt = Annotated[
+    str | None, typer.Option("--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker).")
+]
+ProfileOpt = Annotated[bool, typer.Option("--profile", help="Record py-spy profiles of the worker processes.")]
+
+
+def _bench(names, size, out, docs, bootstrap, profile, config, set_, engines=None) -> None:
+    if size not in ("tiny", "full"):
+        raise typer.BadParameter("--size must be tiny or full")
+    try:
+        import bench.main  # noqa: F401
+    except ModuleNotFoundError:  # an installed console script: the benchmarks live in the source tree
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import os
+
+    from bench.main import run
+
+    cfg = load(config, set_)
+    path = config or _root.get("config") or os.environ.get("RLSTREAM_CONFIG")
+    sets = [*_root.get("set", []), *(set_ or [])]
+    run(names, cfg, path, sets, size, out, docs, bootstrap, profile, engines, say=console.print)
+
+
+@bench_app.command("async")
+def bench_async(
+    size: SizeOpt = "full",
+    engine: str = typer.Option("sim,hf", "--engine", help="Comma list of sim (load generator) and hf (tiny model)."),
+    out: OutOpt = None,
+    docs: DocsOpt = None,
+    bootstrap: BootstrapOpt = None,
+    profile: ProfileOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Async vs sync: samples/s for k in {0, 1, 2, 4}, idle fractions, stale drops, speedup, achieved/ideal."""
+    _bench(["async"], size, out, docs, bootstrap, profile, config, set_, engine.split(","))
+
+
+@bench_app.command("transport")
+def bench_transport(
+    size: SizeOpt = "full",
+    out: OutOpt = None,
+    docs: DocsOpt = None,
+    bootstrap: BootstrapOpt = None,
+    profile: ProfileOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Transport overhead: trajectories/s and MB/s through reward and trainer vs raw confluent-kafka."""
+    _bench(["transport"], size, out, docs, bootstrap, profile, config, set_)
+
+
+@bench_app.command("weights")
+def bench_weights(
+    size: SizeOpt = "full",
+    out: OutOpt = None,
+    docs: DocsOpt = None,
+    bootstrap: BootstrapOpt = None,
+    profile: ProfileOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Weight-notice latency: publish -> every rollout worker loaded (p50/p99), load time by checkpoint size."""
+    _bench(["weights"], size, out, docs, bootstrap, profile, config, set_)
+
+
+@bench_app.command("scaling")
+def bench_scaling(
+    size: SizeOpt = "full",
+    out: OutOpt = None,
+    docs: DocsOpt = None,
+    bootstrap: BootstrapOpt = None,
+    profile: ProfileOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Reward-stage throughput with 1, 2 and 4 workers (trivial reward)."""
+    _bench(["scaling"], size, out, docs, bootstrap, profile, config, set_)
+
+
+@bench_app.command("all")
+def bench_all(
+    size: SizeOpt = "full",
+    out: OutOpt = None,
+    docs: DocsOpt = None,
+    bootstrap: BootstrapOpt = None,
+    profile: ProfileOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Every benchmark in one run directory (one broker)."""
+    _bench(["async", "transport", "weights", "scaling"], size, out, docs, bootstrap, profile, config, set_)
 
 
 if __name__ == "__main__":

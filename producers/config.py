@@ -1,8 +1,8 @@
 """Configuration of the prompt feed, the rollout workers, their engines and environments.
 
 Strict pydantic models (unknown keys are errors); every field has bounds and a docstring. The
-engine is a discriminated union on ``type`` (``hf`` | ``vllm`` | ``openai``). Nothing here imports
-torch, vLLM or an HTTP client.
+engine is a discriminated union on ``type`` (``hf`` | ``vllm`` | ``openai``, and ``sim``, a load
+generator for benchmarks). Nothing here imports torch, vLLM or an HTTP client.
 """
 
 from __future__ import annotations
@@ -101,7 +101,39 @@ class OpenAIEngineConfig(StrictModel):
     """Path (relative to the host, not /v1) of the reload endpoint for ``reload = "post"``."""
 
 
-EngineConfig = Annotated[HFEngineConfig | VLLMEngineConfig | OpenAIEngineConfig, Field(discriminator="type")]
+class SimEngineConfig(StrictModel):
+    """A load generator, not a model (``producers/engines/sim.py``): continuous batching with a fixed
+    time per decode step and heavy-tailed (lognormal) response lengths of random tokens. For
+    benchmarks of the pipeline's scheduling; see docs/benchmarks.md."""
+
+    type: Literal["sim"] = "sim"
+    token_latency_s: float = Field(0.01, gt=0, le=10)
+    """Wall time of one decode step; every in-flight sample advances one token per step."""
+    max_batch: int = Field(0, ge=0, le=1_000_000)
+    """Most samples decoding at once (more wait in a queue); 0 = no limit beyond rollout.max_inflight."""
+    median_tokens: int = Field(64, ge=1, le=1_000_000)
+    """Median response length of the lognormal."""
+    sigma: float = Field(1.0, ge=0, le=5)
+    """Shape of the lognormal (0 = every response has ``median_tokens``)."""
+    min_tokens: int = Field(1, ge=1)
+    """Shortest response."""
+    clip_tokens: int = Field(0, ge=0)
+    """Longest response; 0 = the request's max_new_tokens (which always clips)."""
+    long_fraction: float = Field(0.0, ge=0, le=1)
+    """Share of samples that run to the clip: a few very long responses per batch."""
+    seed: int = 0
+    """Seeds the lengths (a function of seed and trajectory id, the same on every worker)."""
+    load_delay_s: float = Field(0.0, ge=0)
+    """Time ``load_weights`` takes (0 = instant)."""
+    verify_weights: bool = True
+    """Fetch the announced checkpoint and verify its sha256 before loading, as real engines do."""
+    max_step_s: float = Field(0.05, gt=0, le=10)
+    """Longest one ``step`` call blocks waiting for the next sample to finish."""
+
+
+EngineConfig = Annotated[
+    HFEngineConfig | VLLMEngineConfig | OpenAIEngineConfig | SimEngineConfig, Field(discriminator="type")
+]
 
 
 class EnvConfig(StrictModel):

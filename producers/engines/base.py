@@ -112,4 +112,8 @@ def build_engine(engine_cfg, model_dir, tokenizer, worker_id: str = "") -> Engin
         from producers.engines.openai import OpenAIEngine
 
         return OpenAIEngine(engine_cfg, tokenizer)
+    if engine_cfg.type == "sim":
+        from producers.engines.sim import SimEngine
+
+        return SimEngine(engine_cfg, tokenizer, worker_id)
     raise ValueError(f"unknown engine type {engine_cfg.type!r}")

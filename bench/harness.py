@@ -1,0 +1,374 @@
+"""Shared machinery of ``rlstream bench``: the broker, one config per pipeline run, the roles as
+supervised CLI subprocesses (as ``rlstream demo`` runs them), reading a run's topics back, optional
+py-spy profiles of the workers, and the result files (JSON, docs tables).
+
+A benchmark module builds ``--set`` overrides, calls ``run_pipeline`` and analyses what the run
+left in Kafka and in the trainer's steps log. Nothing here asserts a timing; it only measures.
+It is not a cluster launcher: every process runs on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.log import kv
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class BenchContext:
+    """What every benchmark of one ``rlstream bench`` invocation shares."""
+
+    out: Path
+    """Run directory of this invocation (one subdirectory per benchmark)."""
+    bootstrap: str
+    base_config: Path | None
+    """The user's config file (``--config``), if any; benchmark settings are layered over it."""
+    base_sets: list[str]
+    """The user's ``--set`` items, applied before the benchmark's own."""
+    size: str
+    """tiny (CI smoke) | full (the documented run)."""
+    run_id: str
+    say: object = print
+    profile: bool = False
+    """Record py-spy profiles of the worker processes (when py-spy is installed)."""
+    extra: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def broker(bootstrap: str | None, say=print):
+    """Yield a bootstrap address: the given one, else a local broker in a temporary directory,
+    started here and stopped by its PID at the end."""
+    if bootstrap:
+        yield bootstrap
+        return
+    from pipeline.broker import LocalBroker
+    from pipeline.config import BrokerConfig
+
+    data = tempfile.mkdtemp(prefix="rlstream-bench-broker-")
+    b = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=768))
+    try:
+        yield b.start(progress=say)["bootstrap"]
+    finally:
+        b.stop(progress=say)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def child_env() -> dict[str, str]:
+    """Environment of the role processes: one BLAS thread each, no inherited RLSTREAM_* settings
+    (everything is in the run's config file), unbuffered logs."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    return {k: v for k, v in env.items() if not k.startswith("RLSTREAM_") or k in ("RLSTREAM_HOME", "RLSTREAM_CACHE")}
+
+
+def make_config(ctx: BenchContext, name: str, sets: list[str]):
+    """Resolve the config of one pipeline run (fresh topics and run dir) and write it as TOML."""
+    from pipeline.config import dump_toml, load_config
+
+    run_dir = (ctx.out / name).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prefix = re.sub(r"[^A-Za-z0-9._-]", "-", f"bench-{ctx.run_id}-{name}.")
+    cfg = load_config(
+        ctx.base_config,
+        [
+            *ctx.base_sets,
+            f"kafka.bootstrap_servers={ctx.bootstrap}",
+            f"topics.prefix={prefix}",
+            f"run_dir={json.dumps(str(run_dir))}",
+            "log_level=INFO",
+            f"rollout.group_id={prefix}rollout",
+            f"reward.group_id={prefix}reward",
+            f"reward.transactional_id_prefix={prefix}reward",
+            f"trainer.group_id={prefix}trainer",
+            *sets,
+        ],
+        environ={k: v for k, v in os.environ.items() if k != "RLSTREAM_CONFIG"},
+    )
+    path = run_dir / "config.toml"
+    path.write_text(dump_toml(cfg))
+    return cfg, path
+
+
+@dataclass
+class RunResult:
+    status: str
+    wall_s: float
+    exit_codes: dict
+    loadavg: tuple[float, float]
+    """1-minute load average before and after (other work on the machine shows up here)."""
+    profiles: dict[str, str] = field(default_factory=dict)
+
+
+def run_pipeline(
+    ctx: BenchContext,
+    cfg,
+    config_path: Path,
+    rollout_workers: int,
+    reward_workers: int,
+    feed: bool = True,
+    trainer: bool = True,
+    timeout_s: float = 600,
+    done=None,
+    profile: list[str] | None = None,
+) -> RunResult:
+    """Run the roles of one pipeline as supervised ``rlstream`` subprocesses until the trainer exits
+    (``trainer.max_steps``) or ``done()`` returns True; then stop everything (SIGTERM, then SIGKILL)."""
+    from pipeline.admin import ensure_topics
+    from pipeline.models import materialize
+    from pipeline.supervisor import ChildDied, Supervisor
+
+    ensure_topics(cfg)
+    materialize(cfg.model)  # once, so the workers do not all build it at the same moment
+    run_dir = Path(cfg.run_dir)
+    base = ["--config", str(config_path)]
+    load0 = os.getloadavg()[0]
+    t0 = time.monotonic()
+    status, codes, spies = "ok", {}, {}
+    with Supervisor(run_dir / "logs", child_env()) as sup:
+        if trainer:
+            sup.start("trainer", ["train", *base], may_exit=True)
+        for i in range(reward_workers):
+            sup.start(f"reward-{i}", ["reward", *base, "--set", f"reward.worker_id=reward-{i}"])
+        for i in range(rollout_workers):
+            sup.start(f"rollout-{i}", ["rollout", *base, "--set", f"rollout.worker_id=rollout-{i}"])
+        if profile and ctx.profile:
+            spies = _start_profilers(sup, profile, run_dir)
+        try:
+            # Prompts flow only once every rollout worker holds partitions: no rebalance during the run.
+            while rollout_workers and not group_stable(cfg, cfg.rollout.group_id, rollout_workers):
+                sup.check()
+                if time.monotonic() - t0 > 180:
+                    raise TimeoutError("the rollout workers did not form a stable group in 180 s")
+                time.sleep(0.25)
+            if feed:
+                sup.start("feed", ["feed", *base], may_exit=True)
+            while True:
+                finished = sup.check()
+                if ("trainer" in finished) if done is None else done():
+                    break
+                if time.monotonic() - t0 > timeout_s:
+                    status = f"timeout after {timeout_s:.0f} s"
+                    break
+                time.sleep(0.25)
+        except ChildDied as exc:
+            status = f"failed: {exc.name} exited with code {exc.code}"
+            ctx.say(f"[bench] {exc.name} died (exit {exc.code}); its log: {exc.log_tail[-2000:]}")
+        except TimeoutError as exc:
+            status = f"failed: {exc}"
+        wall = time.monotonic() - t0
+        codes = sup.stop_all(timeout=10)
+    profiles = _stop_profilers(spies)
+    return RunResult(status, round(wall, 2), codes, (round(load0, 2), round(os.getloadavg()[0], 2)), profiles)
+
+
+def group_stable(cfg, group_id: str, members: int) -> bool:
+    """True once ``group_id`` is Stable with ``members`` members, each holding partitions."""
+    from confluent_kafka.admin import AdminClient
+
+    from pipeline.kafka import client_conf
+
+    admin = AdminClient(client_conf(cfg, "bench"))
+    try:  # keep `admin` referenced until the future resolves
+        desc = admin.describe_consumer_groups([group_id])[group_id].result(10)
+    except Exception:  # not created yet, or the coordinator is busy: ask again
+        return False
+    assigned = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
+    return str(desc.state).endswith("STABLE") and len(desc.members) == members and len(assigned) == members
+
+
+# ---- py-spy ------------------------------------------------------------------------------------
+def _start_profilers(sup, names: list[str], run_dir: Path) -> dict:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {}
+    spies = {}
+    for name in names:
+        child = sup.children.get(name)
+        if child is None:
+            continue
+        out = run_dir / f"profile-{name}.txt"
+        argv = [exe, "record", "--pid", str(child.proc.pid), "-r", "100", "-f", "raw", "-o", str(out), "--nonblocking"]
+        log = open(run_dir / "logs" / f"py-spy-{name}.log", "wb")
+        spies[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), out)
+    return spies
+
+
+def _stop_profilers(spies: dict) -> dict[str, str]:
+    """py-spy stops by itself when its target exits; wait for it to write the profile."""
+    out = {}
+    for name, (proc, path) in spies.items():
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGINT)
+            proc.wait(10)
+        if path.is_file():
+            out[name] = str(path)
+    return out
+
+
+LOOPS = re.compile(r"(^|;)(Trainer|RolloutWorker|RewardWorker)\.run ")
+KAFKA_FRAMES = ("pipeline/kafka.py", "pipeline/codec.py", "pipeline/control.py", "confluent_kafka", "fastavro")
+
+
+def summarize_profile(path: str | Path, rate_hz: float = 100.0, top: int = 10) -> dict:
+    """What a worker's main loop spent CPU on, from a py-spy raw profile (on-CPU samples only, so
+    waiting in a poll or a sleep is not counted). Start-up (imports, model load) is excluded: only
+    stacks inside ``Trainer.run``/``RolloutWorker.run``/``RewardWorker.run`` count.
+
+    Phases by frame: ``kafka+avro`` (``pipeline/kafka.py``, ``codec.py``, ``control.py``,
+    confluent_kafka, fastavro), ``engine`` (``engines/``), ``batching`` (``consumers/trainer/batch.py``)
+    and ``other``. Seconds are samples / ``rate_hz``."""
+    phases = {"kafka+avro": 0, "engine": 0, "batching": 0, "other": 0}
+    leaves: dict[str, int] = {}
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit() or not LOOPS.search(stack):
+            continue
+        n = int(n)
+        total += n
+        frames = stack.split(";")
+        if any(k in f for f in frames for k in KAFKA_FRAMES):
+            phases["kafka+avro"] += n
+        elif any("engines/" in f for f in frames):
+            phases["engine"] += n
+        elif any("consumers/trainer/batch.py" in f for f in frames):
+            phases["batching"] += n
+        else:
+            phases["other"] += n
+        leaf = frames[-1] or frames[-2]
+        leaves[leaf] = leaves.get(leaf, 0) + n
+    hot = sorted(leaves.items(), key=lambda x: -x[1])[:top]
+    return {
+        "loop_cpu_s": round(total / rate_hz, 2),
+        "phase_cpu_s": {k: round(v / rate_hz, 2) for k, v in phases.items()},
+        "phase_share": {k: round(v / total, 3) if total else 0.0 for k, v in phases.items()},
+        "top_leaves": [[name, round(v / total, 3)] for name, v in hot] if total else [],
+    }
+
+
+# ---- reading a run back ------------------------------------------------------------------------
+def read_topic(cfg, role: str, schema: str | None = None, timeout_s: float = 60) -> list[tuple[int, int, int, dict]]:
+    """Every committed record of a topic as ``(broker timestamp ms, partition, offset, record)``."""
+    from confluent_kafka import TopicPartition
+
+    from pipeline import codec
+    from pipeline.admin import Admin
+    from pipeline.errors import DecodeError
+    from pipeline.kafka import Consumer, client_conf
+
+    topic = cfg.topics.name(role)
+    marks = Admin(client_conf(cfg, "bench"), cfg.kafka.request_timeout_s).watermarks(topic)
+    todo = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
+    out: list[tuple[int, int, int, dict]] = []
+    if not todo:
+        return out
+    c = Consumer(client_conf(cfg, "bench", kind="consumer"))
+    c.assign([TopicPartition(topic, p, marks[p][0]) for p in todo])
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            for m in c.consume(5000, 0.5):
+                try:
+                    rec = codec.decode(m.value(), schema)[1]
+                except DecodeError:
+                    continue
+                out.append((m.timestamp()[1], m.partition(), m.offset(), rec))
+            pos = c.client.position([TopicPartition(topic, p) for p in todo])
+            if all(tp.offset >= 0 and tp.offset >= todo[tp.partition] for tp in pos):
+                break
+    finally:
+        c.close()
+    return out
+
+
+def metric_events(cfg) -> list[dict]:
+    return [rec for _, _, _, rec in read_topic(cfg, "metrics", "MetricEvent")]
+
+
+# ---- numbers and files -------------------------------------------------------------------------
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); nan for an empty list."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def rnd(x, nd: int = 3):
+    """Round for JSON; None and non-finite values become None."""
+    if x is None or not math.isfinite(float(x)):
+        return None
+    return round(float(x), nd)
+
+
+def machine() -> dict:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "git": rev.stdout.strip() or None,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def write_json(path: Path, obj) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    return path
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def update_docs(docs: Path, section: str, markdown: str, images: list[Path]) -> None:
+    """Replace the generated block ``<!-- bench:<section> -->`` … ``<!-- /bench:<section> -->`` of
+    ``docs`` (appended if missing) and copy ``images`` to ``<docs dir>/img/bench/``."""
+    docs = Path(docs)
+    img_dir = docs.parent / "img" / "bench"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    for img in images:
+        shutil.copyfile(img, img_dir / img.name)
+    begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    text = docs.read_text() if docs.is_file() else "# Benchmarks\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    docs.write_text(text)
+
+
+def log_line(ctx: BenchContext, what: str, **fields) -> None:
+    ctx.say(f"[bench] {what} {kv(**fields)}")

@@ -1,0 +1,100 @@
+"""`rlstream bench all --size tiny` through the real CLI against the test broker: every benchmark
+runs end to end and writes well-formed results (JSON keys, finite numbers that must be positive,
+fractions in [0, 1]), PNG plots and the generated blocks of a docs file. Timings are not asserted:
+the figures depend on the machine and on what else runs on it."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def fraction(x) -> bool:
+    return isinstance(x, int | float) and -1e-9 <= x <= 1 + 1e-9
+
+
+def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
+    out, docs = tmp_path / "bench", tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    docs.write_text(
+        "# Benchmarks\n\nHand-written text stays.\n\n<!-- bench:async -->\nold table\n<!-- /bench:async -->\n"
+    )
+    proc = run_cli(
+        ["bench", "all", "--size", "tiny", "--bootstrap", kafka_bootstrap, "--out", str(out), "--docs", str(docs)],
+        cli_env,
+        timeout=400,
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["results"]) == {"async", "transport", "weights", "scaling"}
+    assert summary["size"] == "tiny" and positive(summary["total_seconds"])
+
+    a = json.loads((out / "async.json").read_text())
+    assert {(r["engine"], r["k"]) for r in a["runs"]} == {("sim", 0), ("sim", 1), ("hf", 0)}
+    for r in a["runs"]:
+        assert r["status"] == "ok", r
+        assert r["steps_completed"] == a["sizes"][r["engine"]]["steps"]
+        for key in ("samples_per_s", "tokens_per_s", "window_s", "speedup_over_k0", "step_period_s"):
+            assert positive(r[key]), (key, r)
+        for key in ("trainer_idle_fraction", "rollout_idle_fraction", "rollout_worker_empty_fraction"):
+            assert fraction(r[key]), (key, r)
+        assert isinstance(r["stale_dropped"], int) and r["stale_dropped"] >= 0
+        assert sum(r["staleness_histogram"].values()) + r["stale_dropped"] >= r["samples_trained"]
+        assert max(int(d) for d in r["staleness_histogram"]) <= r["k"]  # the hard bound, as trained
+        if r["engine"] == "sim":
+            for key in ("generation_capacity_samples_per_s", "training_capacity_samples_per_s", "ideal_samples_per_s"):
+                assert positive(r["plan"][key]), key
+            assert positive(r["achieved_over_ideal"])
+    assert next(r for r in a["runs"] if r["k"] == 0 and r["engine"] == "sim")["speedup_over_k0"] == 1.0
+
+    t = json.loads((out / "transport.json").read_text())
+    assert t["status"] == {"reward": "ok", "trainer": "ok"}
+    assert t["rlstream"]["scored_records"] == t["trajectories"] > 0
+    for section, keys in (
+        ("rlstream", ["produce_msgs_per_s", "produce_MB_per_s", "reward_stage_msgs_per_s", "trainer_msgs_per_s"]),
+        ("raw", ["produce_msgs_per_s", "produce_MB_per_s", "consume_msgs_per_s", "consume_MB_per_s"]),
+        ("raw_passthrough", ["msgs_per_s", "MB_per_s"]),
+        ("ratios", ["produce_vs_raw_produce", "reward_stage_vs_raw_passthrough", "trainer_vs_raw_consume"]),
+    ):
+        for key in keys:
+            assert positive(t[section][key]), (section, key, t[section])
+    assert t["raw"]["consumed"] == t["raw"]["messages"] and t["raw"]["delivery_errors"] == 0
+
+    w = json.loads((out / "weights.json").read_text())
+    for r in w["notice"]:
+        assert r["status"] == "ok" and r["versions_measured"] >= 1
+        for key in ("all_loaded_ms_p50", "all_loaded_ms_p99", "per_worker_ms_p50", "fetch_verify_ms_p50"):
+            assert positive(r[key]), (key, r)
+        assert r["all_loaded_ms_p99"] >= r["all_loaded_ms_p50"]
+    for r in w["sizes"]:
+        assert r["status"] == "ok"
+        for key in ("checkpoint_MB", "trainer_write_ms_p50", "fetch_verify_ms_p50", "notice_to_loaded_ms_p50"):
+            assert positive(r[key]), (key, r)
+
+    s = json.loads((out / "scaling.json").read_text())
+    assert [r["workers"] for r in s["runs"]] == [1, 2]
+    for r in s["runs"]:
+        assert r["status"] == "ok" and r["trajectories"] == sum(r["per_worker"].values()) > 0
+        assert positive(r["trajectories_per_s"]) and positive(r["speedup_over_1"])
+    assert len(s["runs"][1]["per_worker"]) == 2  # both members of the group scored
+
+    for result in summary["results"].values():
+        assert result["plots"]
+        for png in result["plots"]:
+            assert Path(png).stat().st_size > 1000
+    text = docs.read_text()
+    assert "Hand-written text stays." in text and "old table" not in text
+    for name in ("async", "transport", "weights", "scaling"):
+        assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text
+    assert "| engine | workload | k |" in text
+    for png in (docs.parent / "img" / "bench").iterdir():
+        assert png.suffix == ".png" and f"img/bench/{png.name}" in text
+    assert "async vs sync" in proc.stderr + proc.stdout
