@@ -54,7 +54,7 @@ SIZES = {
     "full": {
         "sim": {"steps": 16, "groups": 8, "n": 8, "workers": 2, "inflight": 16, "latency": 0.02, "median": 12,
                 "clip": 96, "ks": [0, 1, 2, 4], "workloads": ["long-tail", "uniform"], "uniform_ks": [0, 1]},
-        "hf": {"steps": 20, "groups": 4, "n": 8, "workers": 2, "inflight": 16, "median": 16, "clip": 128,
+        "hf": {"steps": 40, "groups": 4, "n": 8, "workers": 2, "inflight": 16, "median": 16, "clip": 128,
                "ks": [0, 1, 2, 4]},
     },
 }  # fmt: skip
@@ -85,7 +85,7 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
         f"rl.group_size={sz['n']}",
         f"rl.groups_per_step={g}",
         f"rl.max_staleness={k}",
-        "topics.prompts.partitions=4",
+        "topics.prompts.partitions=8",
         "topics.rollouts.partitions=4",
         "topics.scored.partitions=2",
         f"feed.source={json.dumps(str(source))}",
@@ -96,6 +96,7 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
         'rollout.reload_policy="interrupt"',
         "rollout.metrics_interval_s=1",
         "rollout.poll_timeout_s=0.02",
+        'kafka.consumer={"fetch.wait.max.ms" = 50}',
         'reward.executor="thread"',
         "reward.pool_size=1",
         "reward.max_batch_ms=20",
@@ -193,8 +194,13 @@ def analyze(cfg, run_dir: Path, workers: int, inflight: int) -> dict:
             slot_s += b - a
             worker_busy.setdefault(t["worker"], []).append((a, b))
     gen_in_window = sum(1 for t in trajs.values() if t0 < t["end"] <= t1)
+    cum, timeline = 0, []
+    for s in steps:
+        cum += len(s["used"])
+        timeline.append([round(s["time"] - steps[0]["time"], 3), cum])
     out.update(
         {
+            "timeline": timeline,
             "window_s": rnd(window),
             "samples_trained": samples,
             "samples_per_s": rnd(samples / window),
@@ -389,4 +395,18 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
     p1 = out / "async-throughput.png"
     fig.savefig(p1, dpi=110)
     plt.close(fig)
-    return [p1]
+    title, rs = next(iter(groups.items()))  # the first engine/workload: samples trained over time, per k
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for r in rs:
+        if r.get("timeline"):
+            ax.plot([t for t, _ in r["timeline"]], [n for _, n in r["timeline"]], "o-", ms=2.5, label=f"k = {r['k']}")
+    ax.set_xlabel("seconds since trainer step 1")
+    ax.set_ylabel("samples trained")
+    ax.set_title(f"{title}: samples trained over time", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p2 = out / "async-timeline.png"
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return [p1, p2]
