@@ -123,7 +123,12 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
     producer.client.list_topics(timeout=10)  # connected before the race starts
     w = WorkerThread(cfg)
     eng = w.worker.engine
-    wait_for(lambda: eng.rows and min(len(r.tokens) for r in eng.rows) >= 20, what="generation under way", worker=w)
+    wait_for(
+        lambda: eng.rows and min(len(r.tokens) for r in eng.rows) >= 20,
+        timeout=240,
+        what="generation under way",
+        worker=w,
+    )
     publish_version(cfg, 1, forcing, producer)
     producer.close()
     got = wait_for(lambda: (t := trajectories(cfg, 3, 0)) and len(t) >= 3 and t, timeout=120, worker=w)
