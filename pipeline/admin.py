@@ -1,4 +1,4 @@
-"""Admin helper: create, describe and delete rlstream's topics; read offsets and group lag.
+"""Admin helper (part of the Kafka wrapper, with ``pipeline.kafka``): create, describe and delete rlstream's topics; read offsets and group lag.
 
 ``create_topics`` is idempotent: an existing topic is left as is when it matches its spec, its
 configs are brought in line when they differ, and a partition count below the spec is raised
@@ -21,6 +21,7 @@ from confluent_kafka.admin import (
 )
 
 from pipeline.errors import TopicError
+from pipeline.kafka import Consumer, client_conf, retry_transient
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
@@ -53,16 +54,17 @@ class Admin:
         self.conf = conf
         self.timeout = timeout
         self._client: AdminClient | None = None
+        self._reader: Consumer | None = None
 
     @property
-    def client(self) -> AdminClient:
+    def _admin(self) -> AdminClient:
         if self._client is None:
             self._client = AdminClient(self.conf)
         return self._client
 
     def list_topics(self) -> set[str]:
         try:
-            return set(self.client.list_topics(timeout=self.timeout).topics)
+            return set(retry_transient(lambda: self._admin.list_topics(timeout=self.timeout), self.timeout).topics)
         except KafkaException as exc:
             raise TopicError(f"cannot list topics: {exc.args[0]}", exc.args[0]) from exc
 
@@ -81,7 +83,7 @@ class Admin:
             if name not in existing
         ]
         if new:
-            futures = self.client.create_topics(new, operation_timeout=self.timeout, request_timeout=self.timeout)
+            futures = self._admin.create_topics(new, operation_timeout=self.timeout, request_timeout=self.timeout)
             for name, fut in futures.items():
                 try:
                     fut.result()
@@ -110,12 +112,12 @@ class Admin:
                     ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in diff.items()
                 ],
             )
-            for fut in self.client.incremental_alter_configs([res]).values():
+            for fut in self._admin.incremental_alter_configs([res]).values():
                 fut.result()
             log.info("updated topic configs %s", kv(topic=name, changed=",".join(sorted(diff))))
             changed = True
         if info.partitions < spec.partitions:
-            for fut in self.client.create_partitions([NewPartitions(name, spec.partitions)]).values():
+            for fut in self._admin.create_partitions([NewPartitions(name, spec.partitions)]).values():
                 fut.result()
             log.info("added partitions %s", kv(topic=name, partitions=spec.partitions))
             changed = True
@@ -127,14 +129,14 @@ class Admin:
         return "updated" if changed else "exists"
 
     def describe(self, names: list[str], with_offsets: bool = False) -> dict[str, TopicInfo]:
-        md = self.client.list_topics(timeout=self.timeout)
+        md = retry_transient(lambda: self._admin.list_topics(timeout=self.timeout), self.timeout)
         out: dict[str, TopicInfo] = {}
         missing = [n for n in names if n not in md.topics or md.topics[n].error is not None]
         if missing:
             raise TopicError(f"topic(s) not found: {', '.join(missing)}")
         resources = [ConfigResource(ConfigResource.Type.TOPIC, n) for n in names]
         configs = {}
-        for res, fut in self.client.describe_configs(resources, request_timeout=self.timeout).items():
+        for res, fut in self._admin.describe_configs(resources, request_timeout=self.timeout).items():
             configs[res.name] = {k: v.value for k, v in fut.result().items()}
         for n in names:
             parts = md.topics[n].partitions
@@ -147,24 +149,32 @@ class Admin:
 
     def watermarks(self, topic: str, partitions: int | None = None) -> dict[int, tuple[int, int]]:
         """partition -> (low, high) offsets (high = next offset to be written)."""
-        from confluent_kafka import Consumer as _C
+        if self._reader is None:  # one reader for the admin's life, not one client per call
+            self._reader = Consumer(self.conf)
+        c = self._reader
+        parts = range(partitions) if partitions is not None else c.partitions(topic, self.timeout)
+        return {p: c.watermarks(topic, p, self.timeout) for p in parts}
 
-        if partitions is None:
-            partitions = len(self.client.list_topics(topic, timeout=self.timeout).topics[topic].partitions)
-        c = _C({**self.conf, "group.id": "rlstream-admin-watermarks", "enable.auto.commit": False})
-        try:
-            return {
-                p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=self.timeout) for p in range(partitions)
-            }
-        finally:
-            c.close()
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def committed(self, group: str, topic: str, partitions: int) -> dict[int, int]:
         """Committed offsets of a consumer group (-1 where none)."""
         req = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in range(partitions)])
-        fut = self.client.list_consumer_group_offsets([req], request_timeout=self.timeout)[group]
+        fut = self._admin.list_consumer_group_offsets([req], request_timeout=self.timeout)[group]
         res = fut.result()
         return {tp.partition: tp.offset for tp in res.topic_partitions}
+
+    def group_state(self, group: str) -> tuple[str, int, int]:
+        """(state, members, members holding partitions) of a consumer group, e.g. ("STABLE", 2, 2)."""
+        try:
+            desc = self._admin.describe_consumer_groups([group], request_timeout=self.timeout)[group].result()
+        except KafkaException as exc:
+            raise TopicError(f"cannot describe group {group}: {exc.args[0]}", exc.args[0]) from exc
+        assigned = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
+        return str(desc.state).rsplit(".", 1)[-1], len(desc.members), len(assigned)
 
     def lag(self, group: str, topic: str) -> dict[int, int]:
         """Records not yet committed by ``group``, per partition."""
@@ -177,7 +187,7 @@ class Admin:
         result = {n: "absent" for n in names if n not in existing}
         todo = [n for n in names if n in existing]
         if todo:
-            for name, fut in self.client.delete_topics(todo, operation_timeout=self.timeout).items():
+            for name, fut in self._admin.delete_topics(todo, operation_timeout=self.timeout).items():
                 try:
                     fut.result()
                     result[name] = "deleted"
@@ -191,8 +201,6 @@ class Admin:
 
 def ensure_topics(cfg, roles: list[str] | None = None) -> dict[str, str]:
     """Create the configured topics (all roles by default). ``cfg`` is the root Config."""
-    from pipeline.kafka import client_conf
-
     specs = cfg.topics.specs()
     wanted = {cfg.topics.name(r): specs[r] for r in (roles or specs)}
     admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)

@@ -1,12 +1,14 @@
-"""The root configuration of rlstream and how it is loaded.
+"""Config sections every role shares, and the machinery that loads any rlstream config.
 
-Sources, later ones win: defaults < TOML file (``--config`` or ``RLSTREAM_CONFIG``) <
-environment (``RLSTREAM_SECTION__KEY=value``) < CLI overrides (``--set section.key=value``).
-Values from the environment and ``--set`` are parsed as TOML literals when they parse
-(``3``, ``true``, ``[1, 2]``), otherwise taken as strings. Any error names the bad key.
+The sections here (``KafkaConfig``, ``TopicsConfig``, ``RLConfig``, ``LivenessConfig``) are what
+the core needs; each role keeps its own section next to its code (``producers.config``,
+``consumers.*.config``), and the application layer (``rlstream.config``) composes them into the
+root ``Config``. This module never imports a role.
 
-Role configs live with their roles (``producers.config``, ``consumers.*.config``); this module
-only assembles them and cross-checks the values several roles share.
+Loading (``load_tree``/``validate``): defaults < TOML file < environment
+(``RLSTREAM_SECTION__KEY=value``) < CLI overrides (``--set section.key=value``). Values from the
+environment and ``--set`` are parsed as TOML literals when they parse (``3``, ``true``,
+``[1, 2]``), otherwise taken as strings. Every error names the bad key.
 """
 
 from __future__ import annotations
@@ -14,24 +16,61 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from consumers.reward.config import RewardConfig
-from consumers.trainer.config import TrainerConfig
-from pipeline.configbase import StrictModel
 from pipeline.errors import ConfigError
-from pipeline.models import ModelConfig, TinyModelConfig
-from producers.config import FeedConfig, RolloutConfig
 
 ENV_PREFIX = "RLSTREAM_"
+NON_CONFIG_ENV = frozenset(
+    {"CONFIG", "HOME", "CACHE", "VENV", "KAFKA_POM", "QUIET", "TEST_SEED", "TEST_DOCKER", "TEST_FULL", "PARENT_PID"}
+)
+"""``RLSTREAM_*`` environment variables that are not config keys (paths, test and setup switches)."""
 DEFAULT_HOME = Path(os.environ.get("RLSTREAM_HOME", Path.home() / ".rlstream"))
+
+
+class StrictModel(BaseModel):
+    """Base of every rlstream config model: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class PluginConfig(StrictModel):
+    """A user plug-in in place of a built-in (an engine, ...): ``type = "my_pkg.module:MyClass"``."""
+
+    type: str
+    """Dotted path of the plug-in class, ``package.module:Class``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings handed to the plug-in as its config (``config.options``)."""
+
+    @field_validator("type")
+    @classmethod
+    def _dotted(cls, v: str) -> str:
+        from pipeline.plugins import is_dotted
+
+        if not is_dotted(v):
+            raise ValueError(f"unknown type {v!r}: not a built-in and not package.module:Class")
+        return v
+
+
+def plugin_union(*builtins: type[StrictModel]):
+    """A discriminated union on ``type`` of built-in config models, plus ``PluginConfig`` for any
+    other value (a user plug-in named by its dotted path)."""
+    names = {m.model_fields["type"].default: m for m in builtins}
+
+    def tag(v) -> str:
+        t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+        return t if t in names else "plugin"
+
+    members = (*(Annotated[m, Tag(n)] for n, m in names.items()), Annotated[PluginConfig, Tag("plugin")])
+    return Annotated[Union[members], Discriminator(tag)]  # noqa: UP007 - built from a tuple
 
 
 class KafkaConfig(StrictModel):
     bootstrap_servers: str | None = None
-    """host:port list. None: the local broker's recorded address if it runs, else 127.0.0.1:9092."""
+    """host:port list. None: the local broker's recorded address if it runs, else 127.0.0.1:9092
+    (resolved once, at start-up, by the command line)."""
     client_id_prefix: str = "rlstream"
     """Prefix of every client.id, followed by role and worker id."""
     producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
@@ -99,21 +138,6 @@ class TopicsConfig(StrictModel):
         return self.prefix + self.specs()[role].name
 
 
-class BrokerConfig(StrictModel):
-    port: int = Field(9092, ge=0, le=65535)
-    """Client port of the local broker; 0 picks a free one."""
-    host: str = "127.0.0.1"
-    """Address the local broker listens on."""
-    data_dir: Path = DEFAULT_HOME / "broker"
-    """Holds the log dirs, server.properties, the pidfile and broker.log."""
-    heap_mb: int = Field(768, ge=256, le=65536)
-    """JVM heap of the local broker."""
-    start_timeout_s: float = Field(120.0, gt=0)
-    """How long `broker start` waits for the broker to accept connections."""
-    properties: dict[str, str] = Field(default_factory=dict)
-    """Extra server.properties entries, overriding the built-in ones."""
-
-
 class RLConfig(StrictModel):
     """Values several roles must agree on."""
 
@@ -129,49 +153,26 @@ class RLConfig(StrictModel):
         return self.group_size * self.groups_per_step
 
 
-class Config(StrictModel):
-    kafka: KafkaConfig = KafkaConfig()
-    topics: TopicsConfig = TopicsConfig()
-    broker: BrokerConfig = BrokerConfig()
-    rl: RLConfig = RLConfig()
-    model: ModelConfig = TinyModelConfig()
-    """The policy: ``type = "tiny"`` (random init, built in code) or ``type = "pretrained"``."""
-    checkpoint_store: str = ""
-    """fsspec URI where the trainer publishes weights; empty: ``<run_dir>/checkpoints``."""
-    feed: FeedConfig = FeedConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig = RewardConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Standard-library logging level of every role."""
-    run_dir: Path = Path("runs")
-    """Where roles write resolved configs, reports and checkpoints by default."""
+class LivenessConfig(StrictModel):
+    """How every role stays alive or dies loudly (``pipeline.worker``). A role that breaks one of
+    these bounds dumps every thread's stack to its log and exits non-zero, so a supervisor
+    restarts it (restarts are safe by design)."""
 
-    @property
-    def store(self) -> str:
-        return self.checkpoint_store or str(Path(self.run_dir).resolve() / "checkpoints")
-
-    @model_validator(mode="after")
-    def _cross_check(self):
-        for role, spec in self.topics.specs().items():
-            broker_max = int(self.broker.properties.get("message.max.bytes", 16 * 1024 * 1024))
-            if spec.max_message_bytes > broker_max:
-                raise ValueError(
-                    f"topics.{role}.max_message_bytes={spec.max_message_bytes} exceeds the broker's "
-                    f"message.max.bytes={broker_max}"
-                )
-        return self
+    watchdog_s: float = Field(120.0, ge=5, le=86_400)
+    """Longest one iteration of a role's main loop may take (a hung Kafka call is caught here)."""
+    slow_op_s: float = Field(1800.0, ge=5, le=7 * 86_400)
+    """Longest a declared long operation may take: loading a model or weights, a training step,
+    scoring one batch, writing a checkpoint."""
+    shutdown_timeout_s: float = Field(30.0, ge=1, le=3600)
+    """After SIGTERM/SIGINT a role finishes what it holds and exits within this; a second signal exits at once."""
+    startup_timeout_s: float = Field(300.0, ge=1, le=86_400)
+    """Start-up retries transient Kafka errors (broker unreachable, metadata not ready, coordinator
+    loading, topic not created yet) with backoff for this long, then fails with a clear message."""
+    outage_s: float = Field(300.0, ge=1, le=86_400)
+    """A broker outage shorter than this is ridden out: produce/flush/commit wait and retry."""
 
 
 # ---- loading ------------------------------------------------------------------------------
-
-
-def write_resolved(cfg: Config, name: str) -> Path:
-    """Write the resolved config to ``<run_dir>/<name>.resolved.toml`` (every role at start-up)."""
-    path = Path(cfg.run_dir) / f"{name}.resolved.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_toml(cfg))
-    return path
 
 
 def parse_value(text: str) -> Any:
@@ -195,10 +196,11 @@ def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
     node[parts[-1]] = value
 
 
-def _merge(base: dict, new: dict) -> dict:
+def merge(base: dict, new: dict) -> dict:
+    """Deep-merge ``new`` into ``base`` (tables merge, other values replace)."""
     for k, v in new.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
+            merge(base[k], v)
         else:
             base[k] = v
     return base
@@ -208,7 +210,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict:
     environ = os.environ if environ is None else environ
     tree: dict = {}
     for key, val in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in ("RLSTREAM_CONFIG", "RLSTREAM_HOME"):
+        if not key.startswith(ENV_PREFIX) or key[len(ENV_PREFIX) :] in NON_CONFIG_ENV:
             continue
         dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
         _set_path(tree, dotted, parse_value(val), f"environment {key}")
@@ -225,7 +227,25 @@ def cli_overrides(items: list[str] | None) -> dict:
     return tree
 
 
-def _fill_union_types(tree: dict, default: StrictModel) -> None:
+def read_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+
+
+def load_tree(path: str | Path | None, overrides: list[str] | None, environ: dict[str, str]) -> dict:
+    """The raw settings of file < environment < overrides, before validation."""
+    tree = read_toml(path) if path else {}
+    merge(tree, env_overrides(environ))
+    merge(tree, cli_overrides(overrides))
+    return tree
+
+
+def fill_union_types(tree: dict, default: StrictModel) -> None:
     """A partial table for a discriminated union (``[model]``, ``[rollout.engine]``) that names no
     ``type`` keeps the default's type, so ``--set model.hidden_size=64`` just works."""
     for key, value in tree.items():
@@ -235,7 +255,7 @@ def _fill_union_types(tree: dict, default: StrictModel) -> None:
         if "type" in type(sub).model_fields and "type" not in value:
             value["type"] = sub.type
         if value.get("type", getattr(sub, "type", None)) == getattr(sub, "type", None):
-            _fill_union_types(value, sub)
+            fill_union_types(value, sub)
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -249,34 +269,28 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def load_config(
-    path: str | Path | None = None,
-    overrides: list[str] | None = None,
-    environ: dict[str, str] | None = None,
-) -> Config:
-    """Resolve the configuration from file, environment and overrides. Raises ConfigError."""
-    environ = os.environ if environ is None else environ
-    path = path or environ.get("RLSTREAM_CONFIG")
-    tree: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            tree = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
-    _merge(tree, env_overrides(environ))
-    _merge(tree, cli_overrides(overrides))
-    _fill_union_types(tree, Config())
+def validate(model: type[StrictModel], tree: dict):
+    """``model.model_validate(tree)``; a ValidationError becomes a ConfigError naming every bad key."""
+    fill_union_types(tree, model())
     try:
-        return Config.model_validate(tree)
+        return model.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
 
 
+# ---- writing ------------------------------------------------------------------------------
+
+
+def write_resolved(cfg: StrictModel, run_dir: str | Path, name: str) -> Path:
+    """Write the resolved config to ``<run_dir>/<name>.resolved.toml`` (every role at start-up)."""
+    path = Path(run_dir) / f"{name}.resolved.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(cfg))
+    return path
+
+
 def dump_toml(cfg: StrictModel) -> str:
-    """The resolved config as TOML (written at start-up by every role)."""
+    """A config as TOML (round-trips through ``validate``)."""
     return _model_toml(cfg, "").strip() + "\n"
 
 

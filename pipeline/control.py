@@ -22,11 +22,9 @@ from __future__ import annotations
 import logging
 import time
 
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
-
 from pipeline import codec
 from pipeline.errors import DecodeError
-from pipeline.kafka import Consumer, Producer, client_conf, retry_transient
+from pipeline.kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition, client_conf
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
@@ -58,10 +56,10 @@ def now_ms() -> int:
 
 
 def publish_weight_update(producer: Producer, topic: str, update: dict, timeout: float = 30.0) -> None:
-    """Publish a WeightUpdate and wait until the broker has it. Call only after the checkpoint
-    at ``update["uri"]`` is completely written."""
+    """Publish a WeightUpdate and wait (up to ``timeout``, riding out a broker outage) until the
+    broker has it. Call only after the checkpoint at ``update["uri"]`` is completely written."""
     producer.produce_record(topic, "WeightUpdate", update, key=WEIGHTS_KEY)
-    producer.flush(timeout)
+    producer.flush_patiently(timeout, f"weight update v{update['version']}")
     log.info("published weight update %s", kv(topic=topic, version=update["version"], uri=update["uri"]))
 
 
@@ -102,14 +100,15 @@ class ControlFollower:
     def catch_up(self, timeout: float = 10.0) -> dict | None:
         """Read everything already on the topic; return the newest WeightUpdate (or None)."""
         deadline = time.monotonic() + timeout
-        tp = TopicPartition(self.topic, 0)
         # a just-created topic may have no leader yet: transient, so retried
-        lo, hi = retry_transient(lambda: self.consumer.client.get_watermark_offsets(tp, timeout=timeout), timeout)
+        lo, hi = self.consumer.watermarks(self.topic, 0, timeout)
         while time.monotonic() < deadline:
-            pos = self.consumer.client.position([TopicPartition(self.topic, 0)])[0].offset
-            if hi <= lo or (pos is not None and pos >= hi):
+            pos = self.consumer.position([(self.topic, 0)])[(self.topic, 0)]
+            if hi <= lo or pos >= hi:
                 break
             self.poll(0.2, 1000)
+        else:
+            raise TimeoutError(f"could not read {self.topic} to offset {hi} within {timeout} s")
         return self.latest_update
 
     def wait_for_version(self, version: int, timeout: float) -> dict | None:

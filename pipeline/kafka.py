@@ -1,9 +1,21 @@
-"""Thin wrappers over confluent-kafka: a producer that never loses a delivery error, a consumer
-with manual commits and typed errors, and the client settings every role shares.
+"""The Kafka wrapper: the only module (with ``pipeline.admin``) that touches confluent-kafka's clients.
 
-What this is not: a stream-processing framework. Workers keep their own loops; these classes
-only make the sharp edges of the client safe (lazy creation, first-error re-raise, flush on
-close, ``msg.error()`` as exceptions).
+A producer that never loses a delivery error, a consumer with manual commits, and the client
+settings every role shares. Each client is created lazily and kept private; every call a worker
+needs (assignment, pause/resume, seek, position, watermarks, commits, group metadata,
+transactions) is a method here that maps ``KafkaException`` to the typed hierarchy of
+``pipeline.errors`` and bounds its wait.
+
+Liveness rules kept here, once for every role:
+* transient errors (broker unreachable, leader elections, metadata not ready, coordinator
+  loading) reported by ``poll``/``consume`` are logged and ridden out, not raised: librdkafka
+  reconnects by itself; fatal errors raise;
+* a newly assigned partition is resumed before the caller sees it: librdkafka keeps a pause flag
+  across revoke and re-assign, and a partition handed back paused would never be fetched again;
+* the assignment is cached from the rebalance callbacks, so asking for it costs nothing;
+* ``retry_transient`` retries start-up calls with backoff until a deadline.
+
+What this is not: a stream-processing framework. Workers keep their own loops.
 """
 
 from __future__ import annotations
@@ -13,10 +25,9 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka import Consumer as _Consumer
-from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka import Producer as _Producer
 
 import schemas
@@ -24,28 +35,32 @@ from pipeline import codec
 from pipeline.errors import ConsumeError, DecodeError, DeliveryError, KafkaClientError
 from pipeline.log import kv
 
+__all__ = [
+    "DEFAULT_BOOTSTRAP",
+    "OFFSET_BEGINNING",
+    "Consumer",
+    "Message",
+    "Producer",
+    "TopicPartition",
+    "client_conf",
+    "decode_message",
+    "is_transient",
+    "next_offsets",
+    "retry_transient",
+    "wait_for",
+]
+
 log = logging.getLogger(__name__)
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
-
-
-def resolve_bootstrap(kafka_cfg, broker_cfg=None) -> str:
-    """The configured bootstrap servers, else the running local broker's, else the default."""
-    if kafka_cfg.bootstrap_servers:
-        return kafka_cfg.bootstrap_servers
-    if broker_cfg is not None:
-        from pipeline.broker import read_state
-
-        state = read_state(Path(broker_cfg.data_dir))
-        if state and state.get("bootstrap"):
-            return state["bootstrap"]
-    return DEFAULT_BOOTSTRAP
+TP = tuple[str, int]
 
 
 def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "common") -> dict:
-    """librdkafka settings for one client of ``role``. ``cfg`` is the root Config."""
+    """librdkafka settings for one client of ``role``. ``cfg`` is the root config; its
+    ``kafka.bootstrap_servers`` was resolved at start-up by the application layer."""
     wid = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     conf: dict = {
-        "bootstrap.servers": resolve_bootstrap(cfg.kafka, cfg.broker),
+        "bootstrap.servers": cfg.kafka.bootstrap_servers or DEFAULT_BOOTSTRAP,
         "client.id": f"{cfg.kafka.client_id_prefix}-{role}-{wid}",
         "log_level": 5,  # librdkafka: notice and above (info is chatty about internal queues)
     }
@@ -57,33 +72,89 @@ def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "commo
     return conf
 
 
-_LEADER_CODES = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError._TRANSPORT}
+# ---- errors --------------------------------------------------------------------------------
+_TRANSIENT_CODES = {
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._RESOLVE,
+    KafkaError._WAIT_COORD,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.REBALANCE_IN_PROGRESS,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+}
+_UNKNOWN_TOPIC_CODES = {KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
+
+
+def _kafka_error(exc: BaseException) -> KafkaError | None:
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    err = getattr(exc, "kafka_error", None)
+    return err if isinstance(err, KafkaError) else None
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for errors that go away by themselves: retriable ones, and leader elections (which
-    librdkafka does not always flag retriable on metadata and offset queries)."""
-    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else getattr(exc, "kafka_error", None)
-    return isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_CODES)
+    """True for errors that go away by themselves: retriable ones, leader elections, a broker that
+    is unreachable for now, metadata or a coordinator not ready yet."""
+    err = _kafka_error(exc)
+    if err is None:
+        return False
+    return not err.fatal() and (err.retriable() or err.code() in _TRANSIENT_CODES)
 
 
-def retry_transient(fn: Callable, timeout: float = 30.0, interval: float = 0.2):
-    """Call ``fn()`` until it returns, retrying transient Kafka errors until ``timeout``."""
+def retry_transient(fn: Callable, timeout: float = 30.0, what: str = "", interval: float = 0.2):
+    """Call ``fn()`` until it returns, retrying transient Kafka errors with exponential backoff
+    (``interval`` doubling up to 5 s) until ``timeout``; then the last error is raised."""
     deadline = time.monotonic() + timeout
+    delay, last_note = interval, 0.0
     while True:
         try:
             return fn()
-        except KafkaException as exc:
-            if not is_transient(exc) or time.monotonic() > deadline:
+        except (KafkaException, KafkaClientError) as exc:
+            if not is_transient(exc) or time.monotonic() + delay > deadline:
                 raise
-            time.sleep(interval)
+            now = time.monotonic()
+            if now - last_note > 10:
+                err = _kafka_error(exc)
+                hint = (
+                    " (run `rlstream topics create`?)" if err is not None and err.code() in _UNKNOWN_TOPIC_CODES else ""
+                )
+                log.warning("waiting for Kafka%s %s", hint, kv(what=what or getattr(fn, "__name__", "call"), error=err))
+                last_note = now
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _raise_kafka(exc: KafkaException, what: str, cls=KafkaClientError):
-    err = exc.args[0] if exc.args else None
-    raise cls(f"{what}: {err}", err if isinstance(err, KafkaError) else None) from exc
+    err = _kafka_error(exc)
+    raise cls(f"{what}: {err or exc}", err) from exc
 
 
+def _tp(t) -> TopicPartition:
+    return t if isinstance(t, TopicPartition) else TopicPartition(t[0], t[1], *t[2:])
+
+
+def _partitions_of(client, topic: str, timeout: float) -> list[int]:
+    try:
+        meta = client.list_topics(topic, timeout=timeout).topics.get(topic)
+    except KafkaException as exc:
+        _raise_kafka(exc, f"metadata of {topic}")
+    if meta is None or meta.error is not None or not meta.partitions:
+        code = meta.error if meta is not None and meta.error is not None else KafkaError(KafkaError._UNKNOWN_TOPIC)
+        raise KafkaClientError(f"topic {topic} is not available ({code}); run `rlstream topics create`", code)
+    return sorted(meta.partitions)
+
+
+# ---- producer ------------------------------------------------------------------------------
 class Producer:
     """Idempotent producer (acks=all) by default; transactional when given a transactional id.
 
@@ -110,8 +181,7 @@ class Producer:
         self.delivered = 0
         self.fatal = False  # set once the client reported a fatal error (e.g. fenced); close() then skips flush
 
-    @property
-    def client(self) -> _Producer:
+    def _c(self) -> _Producer:
         if self._client is None:
             self._client = _Producer(self._conf)
         return self._client
@@ -130,10 +200,14 @@ class Producer:
         if user_cb is not None:
             user_cb(err, msg)
 
-    def _note_fatal(self, exc: KafkaException) -> None:
-        err = exc.args[0] if exc.args else None
-        if isinstance(err, KafkaError) and err.fatal():
-            self.fatal = True
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except KafkaException as exc:
+            err = _kafka_error(exc)
+            if err is not None and err.fatal():
+                self.fatal = True
+            _raise_kafka(exc, what)
 
     def _raise_pending(self):
         if self._error is not None:
@@ -154,15 +228,17 @@ class Producer:
         if partition is not None:
             kwargs["partition"] = partition
         cb = (lambda e, m: self._on_delivery(e, m, on_delivery)) if on_delivery else self._on_delivery
+        client = self._c()
         while True:
             try:
-                self.client.produce(topic, on_delivery=cb, **kwargs)
+                client.produce(topic, on_delivery=cb, **kwargs)
                 break
-            except BufferError:  # local queue full: serve delivery reports, then retry
-                self.client.poll(0.05)
+            except BufferError:  # local queue full (e.g. the broker is away): serve reports, retry
+                client.poll(0.05)
+                self._raise_pending()
             except KafkaException as exc:
                 _raise_kafka(exc, f"produce to {topic}")
-        self.client.poll(0)
+        client.poll(0)
 
     def produce_record(self, topic: str, schema: str, record: dict, key=None, **kw) -> None:
         """Encode ``record`` with the Avro codec and produce it."""
@@ -172,11 +248,17 @@ class Producer:
         self.produce(topic, value, key=key, headers=headers, **kw)
 
     def poll(self, timeout: float = 0) -> int:
-        n = self.client.poll(timeout) if self._client is not None else 0
+        n = self._client.poll(timeout) if self._client is not None else 0
         self._raise_pending()
         return n
 
+    def pending(self) -> int:
+        """Messages produced and not yet acknowledged (or failed)."""
+        return len(self._client) if self._client is not None else 0
+
     def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued message is acknowledged; DeliveryError if one failed or if some
+        are still queued after ``timeout``."""
         if self._client is None:
             self._raise_pending()
             return
@@ -185,43 +267,42 @@ class Producer:
         if remaining:
             raise DeliveryError(f"{remaining} message(s) still undelivered after flush({timeout}s)")
 
+    def flush_patiently(self, timeout: float, what: str = "flush") -> None:
+        """``flush`` that rides out a broker outage: waits up to ``timeout`` (librdkafka keeps the
+        messages and retries), logging while it waits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.flush(min(10.0, max(0.1, deadline - time.monotonic())))
+            except DeliveryError as exc:
+                if exc.kafka_error is not None or time.monotonic() >= deadline:
+                    raise
+                log.warning("waiting for the broker to acknowledge %s", kv(what=what, queued=self.pending()))
+
+    def partitions(self, topic: str, timeout: float = 30.0) -> list[int]:
+        """Partition ids of ``topic``; KafkaClientError if it does not exist."""
+        return _partitions_of(self._c(), topic, timeout)
+
     # transactions -----------------------------------------------------------------------
     def init_transactions(self, timeout: float = 60.0) -> None:
-        try:
-            self.client.init_transactions(timeout)
-        except KafkaException as exc:
-            self._note_fatal(exc)
-            _raise_kafka(exc, "init_transactions")
+        self._call("init_transactions", self._c().init_transactions, timeout)
 
     def begin_transaction(self) -> None:
         self._raise_pending()
-        try:
-            self.client.begin_transaction()
-        except KafkaException as exc:
-            self._note_fatal(exc)
-            _raise_kafka(exc, "begin_transaction")
+        self._call("begin_transaction", self._c().begin_transaction)
 
-    def send_offsets_to_transaction(self, offsets: list[TopicPartition], group_metadata, timeout=30.0):
-        try:
-            self.client.send_offsets_to_transaction(offsets, group_metadata, timeout)
-        except KafkaException as exc:
-            self._note_fatal(exc)
-            _raise_kafka(exc, "send_offsets_to_transaction")
+    def send_offsets_to_transaction(self, offsets: list[TopicPartition], consumer: Consumer, timeout=30.0):
+        """Add ``consumer``'s ``offsets`` to the open transaction. librdkafka may block here past
+        ``timeout`` after a broker restart: callers guard it with a watchdog (pipeline.worker)."""
+        meta = consumer.group_metadata()
+        self._call("send_offsets_to_transaction", self._c().send_offsets_to_transaction, offsets, meta, timeout)
 
     def commit_transaction(self, timeout: float = 60.0) -> None:
-        try:
-            self.client.commit_transaction(timeout)
-        except KafkaException as exc:
-            self._note_fatal(exc)
-            _raise_kafka(exc, "commit_transaction")
+        self._call("commit_transaction", self._c().commit_transaction, timeout)
         self._raise_pending()
 
     def abort_transaction(self, timeout: float = 60.0) -> None:
-        try:
-            self.client.abort_transaction(timeout)
-        except KafkaException as exc:
-            self._note_fatal(exc)
-            _raise_kafka(exc, "abort_transaction")
+        self._call("abort_transaction", self._c().abort_transaction, timeout)
         self._error = None  # aborted messages are not delivered by design
 
     def close(self, timeout: float = 30.0) -> None:
@@ -250,8 +331,10 @@ class Producer:
             self._client = None
 
 
+# ---- consumer ------------------------------------------------------------------------------
 class Consumer:
-    """Consumer with manual commits; ``poll`` turns ``msg.error()`` into ConsumeError.
+    """Consumer with manual commits; ``poll``/``consume`` turn ``msg.error()`` into ConsumeError
+    (fatal and non-transient errors) or a log line (transient ones, which librdkafka recovers).
 
     ``isolation.level`` defaults to read_committed so transactional output (rl.scored) is seen
     only once committed. Partition EOF events are swallowed unless ``enable.partition.eof`` is
@@ -274,26 +357,153 @@ class Consumer:
             # librdkafka needs a group id even for assign()-only use; it is never committed to.
             self._conf["group.id"] = f"rlstream-nogroup-{id(self)}"
         self._client: _Consumer | None = None
+        self._assigned: set[TP] = set()
+        self._paused: set[TP] = set()
+        self._last_transient = 0.0
 
-    @property
-    def client(self) -> _Consumer:
+    def _c(self) -> _Consumer:
         if self._client is None:
             self._client = _Consumer(self._conf)
         return self._client
 
+    def _call(self, what: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except KafkaException as exc:
+            _raise_kafka(exc, what, ConsumeError)
+
+    # -- assignment ----------------------------------------------------------------------------
     def subscribe(self, topics: Iterable[str], on_assign=None, on_revoke=None, on_lost=None):
-        kw = {}
-        if on_assign:
-            kw["on_assign"] = on_assign
-        if on_revoke:
-            kw["on_revoke"] = on_revoke
-        if on_lost:
-            kw["on_lost"] = on_lost
-        self.client.subscribe(list(topics), **kw)
+        """Join the group. Callbacks get ``(consumer, [TopicPartition])`` as in confluent-kafka;
+        they run inside ``poll``/``consume``/``close``."""
+
+        cooperative = "cooperative" in str(self._conf.get("partition.assignment.strategy", ""))
+
+        def assigned(client, parts):
+            tps = {(p.topic, p.partition) for p in parts}
+            (client.incremental_assign if cooperative else client.assign)(parts)
+            if parts:  # clear a pause flag left from an earlier ownership (see module docstring)
+                client.resume([TopicPartition(t, p) for t, p in tps])
+            self._paused -= tps
+            self._assigned |= tps
+            if on_assign:
+                on_assign(self, parts)
+
+        def removed(user_cb):
+            def cb(client, parts):
+                try:
+                    if user_cb:
+                        user_cb(self, parts)
+                finally:
+                    tps = {(p.topic, p.partition) for p in parts}
+                    self._assigned -= tps
+                    self._paused -= tps
+
+            return cb
+
+        self._call(
+            "subscribe",
+            self._c().subscribe,
+            list(topics),
+            on_assign=assigned,
+            on_revoke=removed(on_revoke),
+            on_lost=removed(on_lost),
+        )
 
     def assign(self, partitions: list[TopicPartition]) -> None:
-        self.client.assign(partitions)
+        """Read these partitions (from each one's offset, if set) outside any group rebalance."""
+        self._call("assign", self._c().assign, [_tp(p) for p in partitions])
+        self._assigned = {(p.topic, p.partition) for p in map(_tp, partitions)}
+        self._paused.clear()
 
+    def unassign(self) -> None:
+        if self._client is not None:
+            self._call("unassign", self._client.unassign)
+        self._assigned.clear()
+        self._paused.clear()
+
+    def assignment(self) -> set[TP]:
+        """Partitions currently owned, as ``(topic, partition)`` (cached; no client call)."""
+        return set(self._assigned)
+
+    def pause(self, tps: Iterable[TP]) -> None:
+        tps = set(tps) & self._assigned
+        if tps:
+            self._call("pause", self._c().pause, [TopicPartition(t, p) for t, p in tps])
+            self._paused |= tps
+
+    def resume(self, tps: Iterable[TP]) -> None:
+        tps = set(tps) & self._assigned
+        if tps:
+            self._call("resume", self._c().resume, [TopicPartition(t, p) for t, p in tps])
+            self._paused -= tps
+
+    def paused(self) -> set[TP]:
+        return set(self._paused)
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        self._call("seek", self._c().seek, TopicPartition(topic, partition, offset))
+
+    def position(self, tps: Iterable[TP]) -> dict[TP, int]:
+        """Next offset to read per partition (negative while unknown)."""
+        res = self._call("position", self._c().position, [TopicPartition(t, p) for t, p in tps])
+        return {(r.topic, r.partition): r.offset for r in res}
+
+    def committed(self, tps: Iterable[TP], timeout: float = 30.0) -> dict[TP, int]:
+        """The group's committed offsets (negative where none)."""
+        res = self._call("committed", self._c().committed, [TopicPartition(t, p) for t, p in tps], timeout=timeout)
+        return {(r.topic, r.partition): r.offset for r in res}
+
+    def watermarks(self, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
+        """(low, high) offsets, retrying while a fresh topic's leader is not known yet."""
+        fn = self._c().get_watermark_offsets
+        tp = TopicPartition(topic, partition)
+        return retry_transient(
+            lambda: self._call("watermarks", fn, tp, timeout=min(10.0, timeout)), timeout, f"watermarks {topic}"
+        )
+
+    def partitions(self, topic: str, timeout: float = 30.0) -> list[int]:
+        """Partition ids of ``topic``; KafkaClientError if it does not exist."""
+        return _partitions_of(self._c(), topic, timeout)
+
+    def read_to_end(
+        self, topic: str, start: dict[int, int] | None = None, timeout: float = 60.0, strict: bool = True
+    ) -> list[Message]:
+        """Every message of ``topic`` from ``start`` (partition -> offset; default the log start) up to
+        the end offsets of the moment of the call, then unassign. Transaction markers and aborted
+        records are skipped by position. Past ``timeout``: TimeoutError, or (``strict=False``) what
+        was read so far."""
+        ends, todo = {}, []
+        for p in self.partitions(topic, timeout):
+            lo, hi = self.watermarks(topic, p, timeout)
+            first = max(lo, (start or {}).get(p, lo))
+            if hi > first:
+                ends[p] = hi
+                todo.append(TopicPartition(topic, p, first))
+        out: list[Message] = []
+        if not todo:
+            return out
+        self.assign(todo)
+        deadline = time.monotonic() + timeout
+        try:
+            while ends:
+                if time.monotonic() > deadline:
+                    if strict:
+                        raise TimeoutError(f"could not read {topic} to its end within {timeout} s ({ends})")
+                    break
+                out.extend(m for m in self.consume(1000, 0.5) if m.offset() < ends.get(m.partition(), -1))
+                for (_, p), pos in self.position([(topic, p) for p in ends]).items():
+                    if pos >= ends[p]:
+                        del ends[p]
+        finally:
+            self.unassign()
+        return out
+
+    def group_metadata(self):
+        """The consumer's group metadata, for ``Producer.send_offsets_to_transaction``."""
+        return self._call("consumer_group_metadata", self._c().consumer_group_metadata)
+
+    # -- reading -------------------------------------------------------------------------------
     @staticmethod
     def is_eof(msg: Message) -> bool:
         return msg.error() is not None and msg.error().code() == KafkaError._PARTITION_EOF
@@ -306,33 +516,44 @@ class Consumer:
             return msg
         if err.code() == KafkaError._PARTITION_EOF:
             return msg if self._conf.get("enable.partition.eof") else None
+        if not err.fatal() and (err.retriable() or err.code() in _TRANSIENT_CODES - _UNKNOWN_TOPIC_CODES):
+            now = time.monotonic()
+            if now - self._last_transient > 10:  # librdkafka reconnects by itself; say so now and then
+                log.warning("kafka unavailable, riding it out %s", kv(error=err))
+                self._last_transient = now
+            return None
         raise ConsumeError(f"consume error: {err} ({kv(topic=msg.topic(), partition=msg.partition())})", err)
 
     def poll(self, timeout: float = 1.0) -> Message | None:
-        return self._check(self.client.poll(timeout))
+        return self._check(self._call("poll", self._c().poll, timeout))
 
     def consume(self, num: int = 500, timeout: float = 1.0) -> list[Message]:
         out = []
-        for m in self.client.consume(num, timeout):
+        for m in self._call("consume", self._c().consume, num, timeout):
             m = self._check(m)
             if m is not None:
                 out.append(m)
         return out
 
-    def commit(self, offsets: list[TopicPartition] | None = None, message: Message | None = None):
-        try:
-            if offsets is not None:
-                return self.client.commit(offsets=offsets, asynchronous=False)
-            if message is not None:
-                return self.client.commit(message=message, asynchronous=False)
-            return self.client.commit(asynchronous=False)
-        except KafkaException as exc:
-            _raise_kafka(exc, "commit", ConsumeError)
+    def commit(self, offsets: list[TopicPartition] | None = None, asynchronous: bool = False) -> None:
+        """Commit ``offsets`` (or the current positions). ``asynchronous`` returns at once; a
+        failure then reaches the ``on_commit`` callback given in the config."""
+        kw = {"asynchronous": asynchronous}
+        if offsets is not None:
+            kw["offsets"] = [_tp(o) for o in offsets]
+        self._call("commit", self._c().commit, **kw)
 
     def close(self) -> None:
+        """Leave the group (a final revoke runs) and destroy the client."""
         if self._client is not None:
-            self._client.close()
-            self._client = None
+            client, self._client = self._client, None
+            try:
+                client.close()
+            except KafkaException as exc:
+                _raise_kafka(exc, "close", ConsumeError)
+            finally:
+                self._assigned.clear()
+                self._paused.clear()
 
     def __enter__(self):
         return self

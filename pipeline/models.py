@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from pipeline.configbase import StrictModel
+from pipeline.config import StrictModel
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"

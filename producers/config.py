@@ -8,11 +8,11 @@ generator for benchmarks). Nothing here imports torch, vLLM or an HTTP client.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.configbase import StrictModel
+from pipeline.config import StrictModel, plugin_union
 
 
 class FeedConfig(StrictModel):
@@ -131,9 +131,7 @@ class SimEngineConfig(StrictModel):
     """Longest one ``step`` call blocks waiting for the next sample to finish."""
 
 
-EngineConfig = Annotated[
-    HFEngineConfig | VLLMEngineConfig | OpenAIEngineConfig | SimEngineConfig, Field(discriminator="type")
-]
+EngineConfig = plugin_union(HFEngineConfig, VLLMEngineConfig, OpenAIEngineConfig, SimEngineConfig)
 
 
 class EnvConfig(StrictModel):
@@ -141,6 +139,8 @@ class EnvConfig(StrictModel):
 
     tasks: dict[str, str] = Field(default_factory=lambda: {"guess_number": "guess_number"})
     """Task name -> environment: a built-in name (``guess_number``) or ``module:Class``."""
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Task name -> options handed to that task's environment (its ``config``)."""
     max_turns: int = Field(8, ge=1, le=1000)
     """Most model turns per episode."""
     max_turn_tokens: int = Field(16, ge=1, le=65536)
@@ -157,7 +157,7 @@ class RolloutConfig(StrictModel):
     worker_id: str = ""
     """Id in trajectories, metrics and client ids; '' = host-pid."""
     engine: EngineConfig = HFEngineConfig()
-    """The generation engine (``engine.type`` = hf | vllm | openai)."""
+    """The generation engine: ``type`` = hf | vllm | openai | sim, or a plug-in ``package.module:Class``."""
     max_inflight: int = Field(32, ge=1, le=100_000)
     """Most samples the worker keeps in its engine at once (queue scheduling)."""
     max_new_tokens: int = Field(64, ge=1, le=1_000_000)

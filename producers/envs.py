@@ -7,6 +7,10 @@ returns the next observation, a reward and whether the episode is over. The roll
 ``step`` on a thread pool, so a slow environment (a sandbox, a tool call) never blocks the
 engine or other episodes. Environment tokens are recorded with loss_mask 0 and logprob 0.
 
+Environments are plug-ins like engines: ``ENVIRONMENTS`` maps a name to a class (the built-in
+``guess_number``, or ``package.module:Class``), and each episode gets a new instance built as
+``cls(config, ctx)``: the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
+
 What this is not: a reward function. Rewards given here go into the trajectory's metadata
 (``env_reward``); the reward role still scores the trajectory with its verifier.
 """
@@ -14,11 +18,13 @@ What this is not: a reward function. Rewards given here go into the trajectory's
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.plugins import Registry
 
 
 @dataclass
@@ -30,8 +36,23 @@ class StepResult:
     info: dict = field(default_factory=dict)
 
 
+@dataclass
+class EnvContext:
+    """What every environment is given besides its options."""
+
+    task: str = ""
+    """The task the episode belongs to."""
+    worker_id: str = ""
+    """The rollout worker running it."""
+
+
 class Environment(ABC):
-    """One instance per episode; ``reset`` once, then ``step`` after every model turn."""
+    """One instance per episode; ``reset`` once, then ``step`` after every model turn.
+    Subclasses take ``(config: dict, ctx: EnvContext)``."""
+
+    def __init__(self, config: dict[str, Any] | None = None, ctx: EnvContext | None = None):
+        self.config = dict(config or {})
+        self.ctx = ctx or EnvContext()
 
     @abstractmethod
     def reset(self, prompt: dict, sample_index: int) -> str:
@@ -49,14 +70,16 @@ class GuessNumberEnv(Environment):
 
     The secret is ``reference["secret"]`` if the prompt's reference has one, else it is derived
     from the group id and sample index (deterministic). Bounds come from ``reference["lo"]`` and
-    ``reference["hi"]`` (default 1 and 100). Reward: 1.0 on the guess that is correct.
+    ``reference["hi"]`` (defaults: the options ``lo`` and ``hi``, else 1 and 100). Reward: 1.0 on
+    the guess that is correct.
     """
 
     def reset(self, prompt: dict, sample_index: int) -> str:
         ref = json.loads(prompt.get("reference") or "{}") if prompt.get("reference") else {}
         if not isinstance(ref, dict):
             ref = {}
-        self.lo, self.hi = int(ref.get("lo", 1)), int(ref.get("hi", 100))
+        self.lo = int(ref.get("lo", self.config.get("lo", 1)))
+        self.hi = int(ref.get("hi", self.config.get("hi", 100)))
         if "secret" in ref:
             self.secret = int(ref["secret"])
         else:
@@ -76,17 +99,9 @@ class GuessNumberEnv(Environment):
         return StepResult("higher\n" if guess < self.secret else "lower\n", 0.0, False, {"guess": guess})
 
 
-BUILTIN = {"guess_number": GuessNumberEnv}
+ENVIRONMENTS = Registry("environment", {"guess_number": "producers.envs:GuessNumberEnv"}, base=Environment)
 
 
-def env_factory(spec: str):
-    """A zero-argument callable making a new Environment: a built-in name or ``module:Class``."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown environment {spec!r}: not one of {sorted(BUILTIN)} and not module:Class")
-    mod, _, name = spec.partition(":")
-    cls = getattr(importlib.import_module(mod), name)
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"environment {spec!r} is not an Environment subclass")
-    return cls
+def env_factory(spec: str) -> type[Environment]:
+    """The Environment class a config names: a registered name or ``module:Class``."""
+    return ENVIRONMENTS.get(spec)

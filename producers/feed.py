@@ -18,6 +18,9 @@ those offsets to the end and skips every (group_seq, sample_start) already there
 sent after the last state record are not sent twice and none is lost. A changed dataset is an
 error (group numbering would no longer mean the same prompts).
 
+The process lifecycle (signals, watchdog, start-up retries) is ``pipeline.worker``'s; a stop
+publishes the feed state first, so the next run resumes exactly.
+
 What this is not: a scheduler; workers pull from rl.prompts at their own pace.
 """
 
@@ -29,12 +32,11 @@ import random
 import time
 import zlib
 
-from confluent_kafka import TopicPartition
-
 from pipeline.control import ControlFollower, now_ms
 from pipeline.errors import ConfigError, DecodeError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message, retry_transient
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
+from pipeline.worker import Worker
 from producers.datasets import dataset_hash, load_dataset
 
 log = logging.getLogger(__name__)
@@ -53,17 +55,11 @@ def split_group(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
-    """(low, high) offsets, retrying while a fresh topic's leader is not yet known."""
-    tp = TopicPartition(topic, partition)
-    return retry_transient(lambda: consumer.client.get_watermark_offsets(tp, timeout=10), timeout)
-
-
-def read_state(cfg, name: str) -> dict | None:
+def read_state(cfg, name: str, timeout: float | None = None) -> dict | None:
     """The newest feed-state record of feed ``name`` on rl.control, or None."""
     follower = ControlFollower(cfg, "feed")
     try:
-        follower.catch_up(cfg.kafka.request_timeout_s)
+        follower.catch_up(timeout or cfg.kafka.request_timeout_s)
         states = [c for c in follower.commands if c["name"] == STATE_COMMAND and c["args"].get("feed") == name]
     finally:
         follower.close()
@@ -79,53 +75,90 @@ def read_state(cfg, name: str) -> dict | None:
 
 def scan_sent(cfg, name: str, offsets: dict[int, int]) -> set[tuple[int, int]]:
     """(group_seq, sample_start) of feed ``name``'s prompts at or after ``offsets`` on rl.prompts."""
-    topic = cfg.topics.name("prompts")
-    c = Consumer(client_conf(cfg, "feed-scan", kind="consumer"))
-    try:
-        meta = c.client.list_topics(topic, timeout=cfg.kafka.request_timeout_s).topics[topic]
-        ends, todo = {}, []
-        for p in meta.partitions:
-            lo, hi = watermarks(c, topic, p, cfg.kafka.request_timeout_s)
-            start = max(lo, offsets.get(p, lo))
-            if hi > start:
-                ends[p] = hi
-                todo.append(TopicPartition(topic, p, start))
-        sent: set[tuple[int, int]] = set()
-        if not todo:
-            return sent
-        c.assign(todo)
-        deadline = time.monotonic() + 10 * cfg.kafka.request_timeout_s
-        while ends and time.monotonic() < deadline:
-            for m in c.consume(1000, 0.5):
-                if m.offset() + 1 >= ends.get(m.partition(), 0):
-                    ends.pop(m.partition(), None)
-                try:
-                    rec = decode_message(m, "Prompt")
-                except DecodeError:
-                    continue
-                if rec["metadata"].get("feed") == name:
-                    sent.add((rec["group_seq"], rec["sample_start"]))
-        if ends:
-            raise TimeoutError(f"could not read {topic} to its end for resume ({ends})")
-        return sent
-    finally:
-        c.close()
+    sent: set[tuple[int, int]] = set()
+    with Consumer(client_conf(cfg, "feed-scan", kind="consumer")) as c:
+        for m in c.read_to_end(cfg.topics.name("prompts"), offsets, 10 * cfg.kafka.request_timeout_s):
+            try:
+                rec = decode_message(m, "Prompt")
+            except DecodeError:
+                continue
+            if rec["metadata"].get("feed") == name:
+                sent.add((rec["group_seq"], rec["sample_start"]))
+    return sent
 
 
-class Feed:
+class Feed(Worker):
+    role = "feed"
+    unit = "group"
+
     def __init__(self, cfg):
-        self.cfg, self.fc = cfg, cfg.feed
+        super().__init__(cfg, cfg.feed.name)
+        self.fc = cfg.feed
         self.topic = cfg.topics.name("prompts")
+        self.producer: Producer | None = None
+        self._wm: Consumer | None = None
+        self._orders: dict[int, list[int]] = {}
+        self.stats: dict = {}
+
+    def setup(self) -> None:
+        cfg = self.cfg
         self.records = load_dataset(self.fc)
         if not self.records:
             raise ConfigError(f"feed.source {self.fc.source} has no records")
         self.sha = dataset_hash(self.records)
         self.producer = Producer(client_conf(cfg, "feed", self.fc.name, kind="producer"))
-        meta = self.producer.client.list_topics(self.topic, timeout=cfg.kafka.request_timeout_s).topics[self.topic]
-        if meta.error is not None:
-            raise ConfigError(f"topic {self.topic}: {meta.error} (run `rlstream topics create`)")
-        self.partitions = len(meta.partitions)
-        self._orders: dict[int, list[int]] = {}
+        timeout = cfg.kafka.request_timeout_s
+        self.partitions = len(self.startup_call(lambda: self.producer.partitions(self.topic, timeout), self.topic))
+        total = len(self.records) * self.fc.epochs
+        state = read_state(cfg, self.fc.name, self.liveness.startup_timeout_s)
+        if state and state["dataset_sha256"] != self.sha:
+            raise ConfigError(
+                f"feed {self.fc.name!r}: the dataset changed since it was fed ({state['dataset_sha256'][:12]} -> "
+                f"{self.sha[:12]}); use a new topic prefix or feed.name"
+            )
+        self.start_g = self.next_g = state["next_group_seq"] if state else 0
+        self.sent = scan_sent(cfg, self.fc.name, state["offsets"] if state else {})
+        self.end = total if not self.fc.limit else min(total, self.start_g + self.fc.limit)
+        self.fresh = state is None
+        self.stats = {"start_group_seq": self.start_g, "groups": 0, "messages": 0, "skipped_messages": 0}
+        self.stats["total_groups"] = total
+        self._t0 = time.monotonic()
+        log.info(
+            "feeding %s",
+            kv(feed=self.fc.name, start=self.start_g, end=self.end, total=total, already_sent=len(self.sent)),
+        )
+
+    def run_once(self) -> bool:
+        """Publish the next group (after the rate limit allows it); False once all are out."""
+        g = self.next_g
+        if g >= self.end:
+            return False
+        if self.fc.rate > 0:
+            delay = self._t0 + (g - self.start_g) / self.fc.rate - time.monotonic()
+            if delay > 0:
+                time.sleep(min(delay, 1.0))  # short naps: the watchdog sees the loop alive
+                return True
+        for rec, part in self.messages(g):
+            if (g, rec["sample_start"]) in self.sent:
+                self.stats["skipped_messages"] += 1
+                continue
+            kw = {"partition": part} if part is not None else {}
+            self.producer.produce_record(self.topic, "Prompt", rec, key=rec["group_id"].encode(), **kw)
+            self.stats["messages"] += 1
+        self.stats["groups"] += 1
+        self.next_g = g + 1
+        if (self.next_g - self.start_g) % self.fc.checkpoint_every == 0 and self.next_g < self.end:
+            self.checkpoint(self.next_g)
+        return True
+
+    def finish(self) -> None:
+        """Done or stopped: publish the state, so the next run resumes exactly here."""
+        if self.next_g > self.start_g or self.fresh:
+            self.checkpoint(self.next_g)
+        self.stats["next_group_seq"] = self.next_g
+
+    def result(self) -> dict:
+        return self.stats
 
     def order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -165,73 +198,36 @@ class Feed:
         return out
 
     def checkpoint(self, next_g: int) -> None:
-        self.producer.flush(self.cfg.kafka.request_timeout_s)
-        c, timeout = self._wm_consumer(), self.cfg.kafka.request_timeout_s
-        offsets = {p: watermarks(c, self.topic, p, timeout)[1] for p in range(self.partitions)}
-        args = {
-            "feed": self.fc.name,
-            "next_group_seq": str(next_g),
-            "dataset_sha256": self.sha,
-            "records": str(len(self.records)),
-            "offsets": json.dumps(offsets),
-        }
-        rec = {"name": STATE_COMMAND, "args": args, "issued_by": f"feed/{self.fc.name}", "created_at_ms": now_ms()}
-        self.producer.produce_record(self.cfg.topics.name("control"), "Command", rec, key=f"feed/{self.fc.name}")
-        self.producer.flush(self.cfg.kafka.request_timeout_s)
+        """Wait until everything sent is acknowledged, then record ``next_g`` and the end offsets."""
+        with self.section("feed checkpoint", self.liveness.outage_s + 60):
+            self.producer.flush_patiently(self.liveness.outage_s, "prompts")
+            if self._wm is None:
+                self._wm = Consumer(client_conf(self.cfg, "feed-wm", kind="consumer"))
+            timeout = self.cfg.kafka.request_timeout_s
+            offsets = {p: self._wm.watermarks(self.topic, p, timeout)[1] for p in range(self.partitions)}
+            args = {
+                "feed": self.fc.name,
+                "next_group_seq": str(next_g),
+                "dataset_sha256": self.sha,
+                "records": str(len(self.records)),
+                "offsets": json.dumps(offsets),
+            }
+            rec = {"name": STATE_COMMAND, "args": args, "issued_by": f"feed/{self.fc.name}", "created_at_ms": now_ms()}
+            self.producer.produce_record(self.cfg.topics.name("control"), "Command", rec, key=f"feed/{self.fc.name}")
+            self.producer.flush_patiently(self.liveness.outage_s, "feed state")
         log.info("feed state %s", kv(feed=self.fc.name, next_group_seq=next_g))
 
-    def _wm_consumer(self) -> Consumer:
-        if not hasattr(self, "_wm"):
-            self._wm = Consumer(client_conf(self.cfg, "feed-wm", kind="consumer"))
-        return self._wm
-
-    def run(self) -> dict:
-        total = len(self.records) * self.fc.epochs
-        state = read_state(self.cfg, self.fc.name)
-        if state and state["dataset_sha256"] != self.sha:
-            raise ConfigError(
-                f"feed {self.fc.name!r}: the dataset changed since it was fed ({state['dataset_sha256'][:12]} -> "
-                f"{self.sha[:12]}); use a new topic prefix or feed.name"
-            )
-        start = state["next_group_seq"] if state else 0
-        sent = scan_sent(self.cfg, self.fc.name, state["offsets"] if state else {})
-        end = total if not self.fc.limit else min(total, start + self.fc.limit)
-        stats = {"start_group_seq": start, "groups": 0, "messages": 0, "skipped_messages": 0}
-        log.info("feeding %s", kv(feed=self.fc.name, start=start, end=end, total=total, already_sent=len(sent)))
-        t0 = time.monotonic()
-        for g in range(start, end):
-            if self.fc.rate > 0:
-                delay = t0 + (g - start) / self.fc.rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-            for rec, part in self.messages(g):
-                if (g, rec["sample_start"]) in sent:
-                    stats["skipped_messages"] += 1
-                    continue
-                kw = {"partition": part} if part is not None else {}
-                self.producer.produce_record(self.topic, "Prompt", rec, key=rec["group_id"].encode(), **kw)
-                stats["messages"] += 1
-            stats["groups"] += 1
-            if (g + 1 - start) % self.fc.checkpoint_every == 0 and g + 1 < end:
-                self.checkpoint(g + 1)
-        if end > start or state is None:
-            self.checkpoint(end)
-        stats["next_group_seq"] = end
-        stats["total_groups"] = total
-        return stats
-
     def close(self) -> None:
-        self.producer.close(self.cfg.kafka.request_timeout_s)
-        if hasattr(self, "_wm"):
-            self._wm.close()
+        try:
+            if self.producer is not None:
+                self.producer.close(self.cfg.kafka.request_timeout_s)
+        finally:
+            if self._wm is not None:
+                self._wm.close()
 
 
-def run(cfg) -> dict:
-    feed = Feed(cfg)
-    try:
-        stats = feed.run()
-    finally:
-        feed.close()
+def run(cfg, stop=None) -> dict:
+    stats = Feed(cfg).run(stop)
     log.info("feed done %s", kv(**stats))
     print(json.dumps(stats), flush=True)
     return stats

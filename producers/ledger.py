@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from confluent_kafka import TopicPartition
+from pipeline.kafka import TopicPartition
 
 TP = tuple[str, int]
 
@@ -24,6 +24,12 @@ class OffsetLedger:
         self.parts: dict[TP, OrderedDict[int, int]] = {}
         self.committed: dict[TP, int] = {}
         self.generation: dict[TP, int] = {}
+        self.last: dict[TP, int] = {}
+
+    def rewound(self, tp: TP, offset: int) -> bool:
+        """True if ``offset`` is not after the last offset entered for ``tp`` (a re-delivery from an
+        earlier position: the caller starts the partition over with ``drop``)."""
+        return offset <= self.last.get(tp, -1)
 
     def add(self, tp: TP, offset: int, acks: int) -> int:
         """Track message ``offset`` of ``tp``, which is done after ``acks`` acknowledgements.
@@ -32,6 +38,7 @@ class OffsetLedger:
         if part and offset <= next(reversed(part)):
             raise ValueError(f"offset {offset} of {tp} is not after {next(reversed(part))}")
         part[offset] = acks
+        self.last[tp] = offset
         return self.generation.get(tp, 0)
 
     def ack(self, tp: TP, offset: int, generation: int, n: int = 1) -> None:
@@ -69,4 +76,5 @@ class OffsetLedger:
         for tp in tps:
             self.parts.pop(tp, None)
             self.committed.pop(tp, None)
+            self.last.pop(tp, None)
             self.generation[tp] = self.generation.get(tp, 0) + 1

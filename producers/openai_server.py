@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pipeline.checkpoint import read_weights
 from pipeline.models import load_tokenizer
 from producers.config import HFEngineConfig
+from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.engines.hf import HFEngine
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 class CompletionServer:
     def __init__(self, model_dir, host: str = "127.0.0.1", port: int = 0, model_name: str = "rlstream-policy"):
         self.tokenizer = load_tokenizer(model_dir)
-        self.engine = HFEngine(HFEngineConfig(device="cpu", refill_every=2), model_dir, self.tokenizer, "server")
+        self.engine = HFEngine(
+            HFEngineConfig(device="cpu", refill_every=2), EngineContext(model_dir, self.tokenizer, "server")
+        )
         self.model_name = model_name
         self.inbox: queue.Queue = queue.Queue()
         self.requests_served = 0

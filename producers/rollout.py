@@ -11,15 +11,18 @@ of that message (or its dead letter) has been acknowledged by the broker, in off
 partition. On a cooperative rebalance the worker finishes the admitted messages of the revoked
 partitions, flushes and commits them before giving them up; held (unadmitted) ones are left to
 the next owner. A crash (kill -9) loses nothing: uncommitted prompts are generated again by the
-next owner, so rl.rollouts is at-least-once and ``trajectory_id`` is the deduplication key.
+next owner, so rl.rollouts is at-least-once and ``trajectory_id`` is the deduplication key. A
+partition that is re-delivered from an earlier offset (a rewind after a rebalance) starts a new
+ledger generation: what was in flight for it still gets published, nothing of it is committed.
 
 Admission (``pipeline.control.may_admit``): a group starts only if ``group_seq < (v + k + 1) * G``
 at the loaded version v; otherwise its message is held and its partition paused until a newer
-WeightUpdate is loaded. Weight reload: rl.control is followed; a new checkpoint is fetched and
-verified (sha256) in a background thread, then loaded at a safe point: ``drain`` stops starting
-turns until the engine is empty, ``interrupt`` aborts in-flight requests and resumes them under
-the new weights. Loaded version and latencies go to rl.metrics.
+WeightUpdate is loaded. Weight reload (``producers.weights``): rl.control is followed; a new
+checkpoint is fetched and verified in a background thread, then loaded at a safe point: ``drain``
+stops starting turns until the engine is empty, ``interrupt`` aborts in-flight requests and
+resumes them under the new weights. Loaded version and latencies go to rl.metrics.
 
+The process lifecycle (signals, watchdog, bounded shutdown) is ``pipeline.worker``'s.
 What this is not: a reward or training component, nor an engine (``producers.engines``).
 """
 
@@ -27,75 +30,110 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import socket
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from confluent_kafka import TopicPartition
-
-from pipeline.control import ControlFollower, may_admit, now_ms
-from pipeline.errors import ConsumeError, DecodeError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message
+from pipeline.control import may_admit, now_ms
+from pipeline.errors import ConsumeError
+from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
-from producers.engines.base import GenOutput, GenRequest, build_engine
-from producers.envs import env_factory
+from pipeline.worker import Worker
+from producers.engines import EngineContext, GenOutput, build_engine
+from producers.envs import EnvContext, env_factory
 from producers.ledger import OffsetLedger
+from producers.prompts import BadPrompt, parse_prompt
 from producers.sample import Sample
+from producers.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
 
-class BadPrompt(Exception):
-    def __init__(self, error_type: str, reason: str):
-        super().__init__(reason)
-        self.error_type, self.reason = error_type, reason
+class RolloutWorker(Worker):
+    role = "rollout"
+    unit = "admitted samples"
 
-
-class RolloutWorker:
     def __init__(self, cfg, engine=None, tokenizer=None):
-        from pipeline.models import load_tokenizer, materialize
-
-        self.cfg, self.rc = cfg, cfg.rollout
-        self.worker_id = self.rc.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        super().__init__(cfg, cfg.rollout.worker_id or None)
+        self.rc = cfg.rollout
         self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
-        model_dir = materialize(cfg.model)
-        self.tokenizer = tokenizer or load_tokenizer(model_dir)
-        self.eos_id = self.tokenizer.eos_token_id
-        self.engine = engine or build_engine(self.rc.engine, model_dir, self.tokenizer, self.worker_id)
-        self.max_len = int(getattr(self.engine, "max_model_len", 1 << 30))
-        self.stop_ids = frozenset(self._stop_id(s) for s in self.rc.env.stop)
-        self.envs = {task: env_factory(spec) for task, spec in self.rc.env.tasks.items()}
+        self.engine, self.tokenizer = engine, tokenizer
         self.topics = {r: cfg.topics.name(r) for r in ("prompts", "rollouts", "dlq", "metrics")}
-        self.producer = Producer(client_conf(cfg, "rollout", self.worker_id, kind="producer"))
-        self.consumer = Consumer(
-            client_conf(cfg, "rollout", self.worker_id, kind="consumer"), group_id=self.rc.group_id
-        )
-        self.control = ControlFollower(cfg, "rollout", self.worker_id)
-        self.metrics = WorkerMetrics(
-            "rollout", self.worker_id, self.producer, self.topics["metrics"], self.rc.metrics_interval_s,
-            self.rc.prometheus_port, labels={"engine": self.engine.name},
-        )  # fmt: skip
-        self.metrics.version = self.engine.version
+        self.producer = self.consumer = self.weights = self.metrics = None
         self.ledger = OffsetLedger()
         self.ready: deque[Sample] = deque()  # admitted, not started
-        self.running: dict[str, tuple[Sample, GenRequest]] = {}  # engine request id -> (sample, request)
+        self.running: dict[str, tuple[Sample, object]] = {}  # engine request id -> (sample, request)
         self.env_pool = ThreadPoolExecutor(self.rc.env.workers, thread_name_prefix="env-step")
         self.env_steps: dict[Future, Sample] = {}
         self.held: dict[tuple[str, int], deque] = {}  # partition -> messages waiting for admission
-        self.paused: set[tuple[str, int]] = set()
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="weights")
-        self.fetch: tuple[dict, Future, float] | None = None  # update being fetched and verified
-        self.loadable: tuple[dict, object, float] | None = None  # verified, waiting for a safe point
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
         self._last_work = time.monotonic()
         self._last_commit = 0.0
         self.to_commit: dict[tuple[str, int], int] = {}
         self._commit_failures = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from pipeline.models import load_tokenizer, materialize
+
+        self.write_resolved()
+        model_dir = materialize(self.cfg.model)
+        self.tokenizer = self.tokenizer or load_tokenizer(model_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.stop_ids = frozenset(self._stop_id(s) for s in self.rc.env.stop)
+        self.envs = {task: env_factory(spec) for task, spec in self.rc.env.tasks.items()}
+        if self.engine is None:
+            ctx = EngineContext(model_dir, self.tokenizer, self.worker_id, self.rc.max_inflight)
+            self.engine = build_engine(self.rc.engine, ctx)
+        self.max_len = int(self.engine.max_model_len)
+        cfg, wid = self.cfg, self.worker_id
+        self.producer = Producer(client_conf(cfg, "rollout", wid, kind="producer"))
+        self.metrics = WorkerMetrics(
+            "rollout", wid, self.producer, self.topics["metrics"], self.rc.metrics_interval_s,
+            self.rc.prometheus_port, labels={"engine": self.engine.name},
+        )  # fmt: skip
+        self.metrics.version = self.engine.version
+        self.weights = WeightSync(cfg, wid, self.engine)
+        if self.weights.catch_up(self.liveness.startup_timeout_s) is not None and self.weights.pending:
+            self.weights.wait_loadable(self.liveness.slow_op_s)
+            self._load()
+        self.consumer = Consumer(client_conf(cfg, "rollout", wid, kind="consumer"), group_id=self.rc.group_id)
+        self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
+        self.consumer.subscribe([self.topics["prompts"]], on_revoke=self._on_revoke, on_lost=self._on_lost)
+        self._last_work = time.monotonic()  # idle time counts from here, not from construction
+        log.info("rollout worker started %s", kv(worker=wid, engine=self.engine.name, version=self.engine.version))
+
+    def run_once(self) -> bool:
+        self._work_once(consume=True)
+        idle = self.rc.exit_when_idle_s
+        if idle and not self._busy() and time.monotonic() - self._last_work > idle:
+            log.info("idle for %.1fs, stopping", idle)
+            return False
+        return True
+
+    def finish(self) -> None:
+        self._drain(lambda tp: True)
+        self._commit(force=True)
+
+    def close(self) -> None:
+        try:
+            if self.consumer is not None:
+                self.consumer.close()  # a final revoke: nothing left to drain
+            if self.producer is not None:
+                self.producer.close(self.cfg.kafka.request_timeout_s)
+        finally:
+            if self.weights is not None:
+                self.weights.close()
+            self.env_pool.shutdown(wait=False, cancel_futures=True)
+            if self.metrics is not None:
+                self.metrics.close()
+            if self.engine is not None:
+                self.engine.close()
+        log.info("rollout worker stopped %s", kv(**self.stats))
+
+    def result(self) -> dict:
+        return self.stats
 
     def _stop_id(self, s: str) -> int:
         ids = self.tokenizer.encode(s, add_special_tokens=False)
@@ -103,40 +141,15 @@ class RolloutWorker:
             raise ValueError(f"rollout.env.stop {s!r} must be exactly one token, it is {ids}")
         return ids[0]
 
-    # -- main loop -------------------------------------------------------------------------------
-    def run(self, stop: threading.Event | None = None) -> dict:
-        stop = stop or threading.Event()
-        self.consumer.subscribe([self.topics["prompts"]], on_revoke=self._on_revoke, on_lost=self._on_lost)
-        update = self.control.catch_up(self.cfg.kafka.request_timeout_s)
-        if update is not None and update["version"] > self.engine.version:
-            self._start_fetch(update)
-            self._wait_loadable()
-            self._load()
-        log.info(
-            "rollout worker started %s", kv(worker=self.worker_id, engine=self.engine.name, version=self.engine.version)
-        )
-        try:
-            while not stop.is_set():
-                self._work_once(consume=True)
-                idle = self.rc.exit_when_idle_s
-                if idle and not self._busy() and time.monotonic() - self._last_work > idle:
-                    log.info("idle for %.1fs, stopping", idle)
-                    break
-            self._drain(lambda tp: True)
-            self._commit(force=True)
-        finally:
-            self.close()
-        return self.stats
-
     def _busy(self) -> bool:
         return bool(self.ready or self.running or self.env_steps or self.ledger.outstanding() or self.held)
 
     def _work_once(self, consume: bool) -> None:
-        self._poll_control()
+        self._poll_weights()
         self._maybe_load()
         self._start_samples()
         if self.running:
-            self._handle_outputs(self.engine.step(0.01 if self.engine.name == "openai" else 0.0))
+            self._handle_outputs(self.engine.step(self.engine.step_wait_s))
         self._finish_env_steps()
         if consume:
             self._poll_prompts()
@@ -155,18 +168,15 @@ class RolloutWorker:
 
     def _poll_prompts(self) -> None:
         cap = self._capacity()
-        assigned = {(tp.topic, tp.partition) for tp in self.consumer.client.assignment()}
-        want_paused = (assigned if cap <= 0 else set()) | {tp for tp, q in self.held.items() if q}
-        want_paused &= assigned
-        if want_paused - self.paused:
-            self.consumer.client.pause([_tp(t) for t in want_paused - self.paused])
-        if (self.paused - want_paused) & assigned:
-            self.consumer.client.resume([_tp(t) for t in (self.paused - want_paused) & assigned])
-        self.paused = want_paused
+        assigned = self.consumer.assignment()
+        want_paused = ((assigned if cap <= 0 else set()) | {tp for tp, q in self.held.items() if q}) & assigned
+        paused = self.consumer.paused()
+        self.consumer.pause(want_paused - paused)
+        self.consumer.resume(paused - want_paused)
         idle = not (self.running or self.env_steps or self.ready)
         msgs = self.consumer.consume(max(1, min(cap, 100)), self.rc.poll_timeout_s if idle else 0.0)
         if msgs:
-            assigned = {(tp.topic, tp.partition) for tp in self.consumer.client.assignment()}
+            assigned = self.consumer.assignment()
         for msg in msgs:
             self._last_work = time.monotonic()
             if (msg.topic(), msg.partition()) in assigned:  # not one revoked during this consume
@@ -174,8 +184,10 @@ class RolloutWorker:
 
     def _on_message(self, msg) -> None:
         tp = (msg.topic(), msg.partition())
+        if self.ledger.rewound(tp, msg.offset()):
+            self._restart_partition(tp, msg.offset())
         try:
-            prompt = self._parse(msg)
+            prompt = parse_prompt(msg, self._tokenize, self.rc.max_prompt_tokens, self.max_len)
         except BadPrompt as exc:
             gen = self.ledger.add(tp, msg.offset(), 1)
             self._dead_letter(msg, exc.error_type, exc.reason, gen)
@@ -189,20 +201,14 @@ class RolloutWorker:
             return
         self._admit(tp, msg.offset(), prompt, gen)
 
-    def _parse(self, msg) -> dict:
-        try:
-            prompt = decode_message(msg, "Prompt")
-        except DecodeError as exc:
-            raise BadPrompt(exc.error_type, str(exc)) from exc
-        n, start, count = prompt["group_size"], prompt["sample_start"], prompt["sample_count"]
-        if count < 1 or start < 0 or start + count > n:
-            raise BadPrompt("invalid", f"samples [{start}, {start + count}) do not fit group_size {n}")
-        toks = self.tokenizer(prompt["text"]).input_ids
-        if len(toks) > self.rc.max_prompt_tokens or len(toks) >= self.max_len:
-            limit = min(self.rc.max_prompt_tokens, self.max_len - 1)
-            raise BadPrompt("too_long", f"prompt has {len(toks)} tokens, more than the limit {limit}")
-        prompt["_tokens"] = toks
-        return prompt
+    def _restart_partition(self, tp, offset: int) -> None:
+        """The partition is re-delivered from an earlier offset: forget its old state (a new ledger
+        generation); samples already admitted still publish, their offsets are not committed."""
+        log.warning("partition rewound; restarting its bookkeeping %s", kv(partition=tp[1], offset=offset))
+        self.metrics.inc("partition_rewinds")
+        self.ledger.drop([tp])
+        self.held.pop(tp, None)
+        self.to_commit.pop(tp, None)
 
     def _admissible(self, prompt: dict) -> bool:
         return prompt["group_seq"] < 0 or may_admit(prompt["group_seq"], self.engine.version, self.k, self.G)
@@ -210,11 +216,13 @@ class RolloutWorker:
     def _admit(self, tp, offset: int, prompt: dict, gen: int) -> None:
         toks = prompt["_tokens"]
         budget = min(prompt["max_new_tokens"] or self.rc.max_new_tokens, self.max_len - len(toks))
-        env_cls = self.envs.get(prompt["task"])
+        task = prompt["task"]
+        env_cls = self.envs.get(task)
         for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"]):
             s = Sample(prompt, i, toks, budget, tp, offset, gen=gen)
             if env_cls is not None:
-                s.env, s.max_turns, s.max_turn_tokens = env_cls(), self.rc.env.max_turns, self.rc.env.max_turn_tokens
+                s.env = env_cls(self.rc.env.options.get(task, {}), EnvContext(task, self.worker_id))
+                s.max_turns, s.max_turn_tokens = self.rc.env.max_turns, self.rc.env.max_turn_tokens
             self.ready.append(s)
         self.stats["admitted_groups"] += 1
         self.metrics.inc("prompts_admitted")
@@ -228,22 +236,13 @@ class RolloutWorker:
 
     def _dead_letter(self, msg, error_type: str, reason: str, gen: int) -> None:
         tp, off = (msg.topic(), msg.partition()), msg.offset()
-        rec = {
-            "source_topic": msg.topic(),
-            "source_partition": msg.partition(),
-            "source_offset": off,
-            "key": msg.key(),
-            "value": msg.value(),
-            "headers": {k: (v or b"") for k, v in (msg.headers() or [])},
-            "error_type": error_type,
-            "reason": reason,
-            "role": "rollout",
-            "worker_id": self.worker_id,
-            "failed_at_ms": now_ms(),
-        }
-        log.warning("dead letter %s", kv(partition=tp[1], offset=off, error_type=error_type, reason=reason))
+        log.warning("dead letter %s", kv(partition=tp[1], offset=off, error_type=error_type, reason=reason[:200]))
         self.producer.produce_record(
-            self.topics["dlq"], "DeadLetter", rec, key=msg.key(), on_delivery=self._acker(tp, off, gen)
+            self.topics["dlq"],
+            "DeadLetter",
+            self.dead_letter(msg, error_type, reason),
+            key=msg.key(),
+            on_delivery=self._acker(tp, off, gen),
         )
         self.stats["dlq"] += 1
         self.metrics.inc("dead_letters")
@@ -256,8 +255,11 @@ class RolloutWorker:
         return cb
 
     # -- generation ------------------------------------------------------------------------------
+    def _draining(self) -> bool:
+        return self.weights.loadable is not None and self.rc.reload_policy == "drain"
+
     def _start_samples(self) -> None:
-        if self.loadable is not None and self.rc.reload_policy == "drain":
+        if self._draining():
             return  # drain: no new turn until the new weights are in
         while self.ready and len(self.running) + len(self.env_steps) < self.rc.max_inflight:
             s = self.ready.popleft()
@@ -289,7 +291,7 @@ class RolloutWorker:
             s = self.env_steps.pop(fut)
             res = fut.result()  # an environment that raises stops the worker loudly
             obs = self.tokenizer(res.observation, add_special_tokens=False).input_ids
-            if s.add_observation(res, obs) and (self.loadable is None or self.rc.reload_policy != "drain"):
+            if s.add_observation(res, obs) and not self._draining():
                 self._submit(s)
             elif s.finish is None:
                 self.ready.appendleft(s)  # resumes after the weight load (started already)
@@ -311,31 +313,14 @@ class RolloutWorker:
         self._last_work = time.monotonic()
 
     # -- weights ---------------------------------------------------------------------------------
-    def _poll_control(self) -> None:
-        self.control.poll(0)
-        self.control.commands.clear()  # feed states and operator commands: not the worker's business
-        upd = self.control.latest_update
-        newest = max([self.engine.version] + [x[0]["version"] for x in (self.fetch, self.loadable) if x])
-        if upd is not None and upd["version"] > newest and self.fetch is None and self.loadable is None:
-            self._start_fetch(upd)
-        if self.fetch is not None and self.fetch[1].done():
-            upd, fut, t0 = self.fetch
-            self.fetch = None
-            prepared = fut.result()  # a bad checksum or unreadable checkpoint stops the worker loudly
-            self.metrics.observe("weight_fetch_ms", (time.monotonic() - t0) * 1e3)
-            self.loadable = (upd, prepared, t0)
-
-    def _start_fetch(self, upd: dict) -> None:
-        log.info("fetching weights %s", kv(version=upd["version"], uri=upd["uri"]))
-        self.fetch = (upd, self.loader.submit(self.engine.prepare_weights, upd), time.monotonic())
-
-    def _wait_loadable(self) -> None:
-        while self.loadable is None:
-            self._poll_control()
-            time.sleep(0.01)
+    def _poll_weights(self) -> None:
+        had = self.weights.loadable
+        self.weights.poll()
+        if self.weights.loadable is not None and self.weights.loadable is not had:
+            self.metrics.observe("weight_fetch_ms", self.weights.fetch_ms)
 
     def _maybe_load(self) -> None:
-        if self.loadable is None:
+        if self.weights.loadable is None:
             return
         if self.rc.reload_policy == "interrupt" and self.running:
             finished = []
@@ -357,11 +342,8 @@ class RolloutWorker:
         self._release_held()
 
     def _load(self) -> None:
-        upd, prepared, t0 = self.loadable
-        t1 = time.monotonic()
-        self.engine.load_weights(upd, prepared)
-        self.loadable = None
-        swap_ms, total_ms = (time.monotonic() - t1) * 1e3, (time.monotonic() - t0) * 1e3
+        with self.section("weight load"):
+            upd, total_ms, swap_ms = self.weights.load()
         self.stats["loads"] += 1
         self.metrics.version = self.engine.version
         self.metrics.set("loaded_version", self.engine.version)
@@ -386,12 +368,13 @@ class RolloutWorker:
             return
         try:
             self.consumer.commit([TopicPartition(t, p, off) for (t, p), off in todo.items()])
-        except ConsumeError as exc:  # e.g. REBALANCE_IN_PROGRESS: keep the offsets, retry soon
+        except ConsumeError as exc:  # e.g. REBALANCE_IN_PROGRESS, broker away: keep the offsets, retry soon
             self._commit_failures += 1
             self.metrics.inc("commit_errors")
-            if self._commit_failures > 50:
+            if exc.fatal or self._commit_failures * 0.2 > self.liveness.outage_s:
                 raise
-            log.warning("commit failed, will retry %s", kv(error=exc))
+            if self._commit_failures % 25 == 1:
+                log.warning("commit failed, will retry %s", kv(error=exc, failures=self._commit_failures))
             return
         self._commit_failures = 0
         for tp, off in todo.items():
@@ -409,8 +392,9 @@ class RolloutWorker:
             return any(pred(s.tp) for s in [*self.ready, *running, *self.env_steps.values()])
 
         while pending():
+            self.beat()
             self._work_once(consume=False)
-        self.producer.flush(self.cfg.kafka.request_timeout_s)
+        self.producer.flush_patiently(self.liveness.outage_s, "trajectories")
         self._commit(force=True, tps={tp for tp in self.ledger.parts if pred(tp)})
 
     def _on_revoke(self, _consumer, partitions) -> None:
@@ -420,7 +404,6 @@ class RolloutWorker:
         self.ledger.drop(tps)
         for tp in tps:
             self.to_commit.pop(tp, None)
-        self.paused -= tps
 
     def _on_lost(self, _consumer, partitions) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
@@ -429,32 +412,10 @@ class RolloutWorker:
         for tp in tps:
             self.held.pop(tp, None)
             self.to_commit.pop(tp, None)
-        self.paused -= tps
-
-    def close(self) -> None:
-        try:
-            self.consumer.close()  # a final revoke: nothing left to drain
-            self.producer.close(self.cfg.kafka.request_timeout_s)
-        finally:
-            self.control.close()
-            self.env_pool.shutdown(wait=False, cancel_futures=True)
-            self.loader.shutdown(wait=False, cancel_futures=True)
-            self.metrics.close()
-            self.engine.close()
 
 
-def _tp(t) -> TopicPartition:
-    return TopicPartition(t[0], t[1])
-
-
-def run(cfg, stop: threading.Event | None = None) -> dict:
+def run(cfg, stop=None) -> dict:
     """Run one rollout worker until ``stop`` is set, SIGTERM/SIGINT, or ``exit_when_idle_s``."""
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    worker = RolloutWorker(cfg)
-    stats = worker.run(stop)
-    log.info("rollout worker stopped %s", kv(**stats))
+    stats = RolloutWorker(cfg).run(stop)
     print(json.dumps(stats), flush=True)
     return stats

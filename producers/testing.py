@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import TopicPartition
-
 from pipeline.checkpoint import write_weights
 from pipeline.control import now_ms, publish_weight_update
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message
-from producers.feed import watermarks
 
 
 def end_offsets(cfg, topic: str) -> dict[int, int]:
-    c = Consumer(client_conf(cfg, "test", kind="consumer"))
-    try:
-        meta = c.client.list_topics(topic, timeout=10).topics[topic]
-        return {p: watermarks(c, topic, p)[1] for p in meta.partitions}
-    finally:
-        c.close()
+    with Consumer(client_conf(cfg, "test", kind="consumer")) as c:
+        return {p: c.watermarks(topic, p)[1] for p in c.partitions(topic, 10)}
 
 
 def read_topic(cfg, role: str, schema: str | None = None, min_count: int = 0, timeout: float = 60.0) -> list:
@@ -30,23 +23,10 @@ def read_topic(cfg, role: str, schema: str | None = None, min_count: int = 0, ti
     for at least ``min_count``). With ``schema``, returns ``(message, record)`` pairs."""
     topic = cfg.topics.name(role)
     deadline = time.monotonic() + timeout
-    while True:
-        ends = end_offsets(cfg, topic)
-        if sum(ends.values()) >= min_count or time.monotonic() > deadline:
-            break
+    while sum(end_offsets(cfg, topic).values()) < min_count and time.monotonic() < deadline:
         time.sleep(0.2)
-    c = Consumer(client_conf(cfg, "test", kind="consumer"))
-    out = []
-    try:
-        todo = {p: hi for p, hi in ends.items() if hi > 0}
-        c.assign([TopicPartition(topic, p, 0) for p in todo])
-        while todo and time.monotonic() < deadline + 30:
-            for m in c.consume(1000, 0.5):
-                out.append(m)
-                if m.offset() + 1 >= todo.get(m.partition(), 0):
-                    todo.pop(m.partition(), None)
-    finally:
-        c.close()
+    with Consumer(client_conf(cfg, "test", kind="consumer")) as c:
+        out = c.read_to_end(topic, timeout=max(30.0, deadline - time.monotonic()))
     if schema:
         return [(m, decode_message(m, schema)) for m in out]
     return out

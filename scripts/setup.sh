@@ -59,5 +59,5 @@ if [ "$WANT_VLLM" = 1 ]; then
 fi
 
 say "resolving Kafka broker jars (cached in ~/.m2)"
-RLSTREAM_QUIET=1 "$VENV/bin/python" -c 'from pipeline.broker import classpath; classpath(progress=print)' >/dev/null
+RLSTREAM_QUIET=1 "$VENV/bin/python" -c 'from rlstream.broker import classpath; classpath(progress=print)' >/dev/null
 say "done. Activate with: source $VENV/bin/activate"

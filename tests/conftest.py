@@ -37,7 +37,7 @@ def make_config(kafka_bootstrap, topic_prefix, tmp_path):
     """Build a root Config pointed at the test broker, with unique topics. Extra ``--set`` items
     may be given. ``create=True`` creates the topics."""
     from pipeline.admin import ensure_topics
-    from pipeline.config import load_config
+    from rlstream.config import load_config
 
     def make(*overrides: str, create: bool = True):
         cfg = load_config(
@@ -72,7 +72,7 @@ def cli_env(kafka_bootstrap, topic_prefix, tmp_path) -> dict[str, str]:
 
 
 def rlstream_cmd() -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli"]
+    return [sys.executable, "-m", "rlstream"]
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 120, check: bool = True):

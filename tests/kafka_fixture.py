@@ -33,8 +33,8 @@ def kafka_broker() -> Iterator[tuple[str, str]]:
         with KafkaContainer("apache/kafka:4.1.1").with_kraft() as kc:
             yield kc.get_bootstrap_server(), "testcontainers"
         return
-    from pipeline.broker import LocalBroker
-    from pipeline.config import BrokerConfig
+    from rlstream.broker import LocalBroker
+    from rlstream.config import BrokerConfig
 
     data = tempfile.mkdtemp(prefix="rlstream-test-broker-")
     broker = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=512))

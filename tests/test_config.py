@@ -2,8 +2,9 @@
 
 import pytest
 
-from pipeline.config import dump_toml, load_config
+from pipeline.config import dump_toml
 from pipeline.errors import ConfigError
+from rlstream.config import load_config
 
 
 def test_defaults_are_valid():

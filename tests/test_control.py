@@ -87,7 +87,7 @@ def test_control_follower_sees_newest_notice_and_commands(make_config):
 
 @pytest.mark.kafka
 def test_metrics_publish_to_topic_and_prometheus(make_config):
-    from confluent_kafka import TopicPartition
+    from pipeline.kafka import TopicPartition
 
     cfg = make_config()
     topic = cfg.topics.name("metrics")
@@ -114,7 +114,7 @@ def test_metrics_publish_to_topic_and_prometheus(make_config):
 
 
 def test_prometheus_endpoint_serves_metrics():
-    from pipeline.broker import free_port
+    from rlstream.broker import free_port
 
     port = free_port()
     m = WorkerMetrics("trainer", "t0", prometheus_port=port)

@@ -30,7 +30,7 @@ TINY = [
 
 
 def config(*extra: str):
-    from pipeline.config import load_config
+    from rlstream.config import load_config
 
     return load_config(None, [*TINY, "trainer.micro_batch_size=2", "trainer.lr=0.01", *extra], environ={})
 
@@ -86,6 +86,7 @@ def assert_close(a: dict, b: dict, atol: float = 1e-6, rtol: float = 1e-4):
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_torch_and_zero_give_the_same_loss_gradients_and_update(stage):
+    from consumers.trainer.engines import TrainContext
     from consumers.trainer.engines.deepspeed_engine import DeepSpeedEngine
     from consumers.trainer.engines.torch_engine import TorchEngine
     from pipeline.models import materialize
@@ -93,7 +94,10 @@ def test_torch_and_zero_give_the_same_loss_gradients_and_update(stage):
     cfg_t = config("trainer.loss.type=cispo")
     cfg_d = config("trainer.loss.type=cispo", "trainer.engine.type=deepspeed", f"trainer.engine.zero_stage={stage}")
     model_dir = materialize(cfg_t.model)
-    torch_eng, ds_eng = TorchEngine(cfg_t.trainer, model_dir), DeepSpeedEngine(cfg_d.trainer, model_dir)
+    torch_eng, ds_eng = (
+        TorchEngine(cfg_t.trainer.engine, TrainContext(model_dir, cfg_t.trainer)),
+        DeepSpeedEngine(cfg_d.trainer.engine, TrainContext(model_dir, cfg_d.trainer)),
+    )
     assert_close(torch_eng.state_dict(), ds_eng.state_dict(), atol=0, rtol=0)  # same start
     rt, n_micro = one_step(torch_eng, cfg_t)
     rd, _ = one_step(ds_eng, cfg_d)
@@ -118,6 +122,7 @@ def test_zero2_two_processes_match_one_process(tmp_path):
     summed loss, the full gradients and the updated weights equal one torch process on the batch."""
     import torch
 
+    from consumers.trainer.engines import TrainContext
     from consumers.trainer.engines.torch_engine import TorchEngine
     from pipeline.models import materialize
 
@@ -144,7 +149,7 @@ def test_zero2_two_processes_match_one_process(tmp_path):
     assert got["world"] == 2 and got["n_micro"] == [2, 2]  # rank 1 ran one dummy micro-batch
 
     cfg = config()
-    ref = TorchEngine(cfg.trainer, materialize(cfg.model))
+    ref = TorchEngine(cfg.trainer.engine, TrainContext(materialize(cfg.model), cfg.trainer))
     res, _ = one_step(ref, cfg)
     assert got["loss"] == pytest.approx(res.loss, rel=1e-5)
     assert_close(res.grads, got["grads"])
@@ -155,12 +160,13 @@ def two_rank_main(out: str) -> None:
     """One rank of the two-process run (started by torchrun)."""
     import torch
 
+    from consumers.trainer.engines import TrainContext
     from consumers.trainer.engines.base import all_reduce_sums
     from consumers.trainer.engines.deepspeed_engine import DeepSpeedEngine
     from pipeline.models import materialize
 
     cfg = config("trainer.engine.type=deepspeed", "trainer.engine.zero_stage=2")
-    eng = DeepSpeedEngine(cfg.trainer, materialize(cfg.model))
+    eng = DeepSpeedEngine(cfg.trainer.engine, TrainContext(materialize(cfg.model), cfg.trainer))
     res, n_micro = one_step(eng, cfg, eng.rank, eng.world_size)
     loss = all_reduce_sums([res.loss], eng.world_size)[0]
     counts = [0] * eng.world_size
@@ -225,7 +231,7 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [pytest.param("deepspeed", marks=pytest.mark.deepspeed), "torch"])
 def test_cli_trainer_on_two_processes_resumes(make_config, cli_env, engine):
-    """``torchrun --nproc_per_node 2 -m pipeline.cli train --engine deepspeed`` (ZeRO-2), and the
+    """``torchrun --nproc_per_node 2 -m rlstream train --engine deepspeed`` (ZeRO-2), and the
     torch engine as DDP: rank 0 consumes and broadcasts, both ranks train; a second launch resumes
     from the two-rank checkpoint."""
     from consumers.trainer.state import read_steps_log
@@ -243,7 +249,7 @@ def test_cli_trainer_on_two_processes_resumes(make_config, cli_env, engine):
 
     def launch(max_steps: int) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
-        cmd += [f"--master_port={_free_port()}", "-m", "pipeline.cli", *args, "--max-steps", str(max_steps)]
+        cmd += [f"--master_port={_free_port()}", "-m", "rlstream", *args, "--max-steps", str(max_steps)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
         return p.stderr

@@ -55,10 +55,15 @@ def _kafka_tool_lags(env, group: str) -> dict[tuple[str, int], int]:
 def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
     base = _free_port_base()
     log = open(tmp_path / "demo.out", "w")
+    (tmp_path / "mine.toml").write_text("[reward]\nmetrics_interval_s = 1.5\n")
     proc = subprocess.Popen(
         [
             *rlstream_cmd(),
+            "--config",
+            str(tmp_path / "mine.toml"),
             "demo",
+            "--set",
+            "rollout.poll_timeout_s=0.04",
             "--steps",
             str(STEPS),
             "--no-live",
@@ -118,6 +123,8 @@ def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
     run_dirs = list(Path(cli_env["RLSTREAM_RUN_DIR"]).glob("demo-*"))
     assert len(run_dirs) == 1
     report = json.loads((run_dirs[0] / "report.json").read_text())
+    used = (run_dirs[0] / "config.toml").read_text()  # the roles ran with the user's file and --set
+    assert "metrics_interval_s = 1.5" in used and "poll_timeout_s = 0.04" in used
     assert report["status"] == "ok" and report["steps_completed"] == STEPS
     assert [s for s, _ in report["reward_curve"]] == list(range(1, STEPS + 1))
     assert report["reward_first10_mean"] <= 0.2

@@ -5,6 +5,7 @@ import torch
 
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from producers.config import HFEngineConfig
+from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.engines.hf import HFEngine
 from producers.testing import forcing_state_dict
@@ -35,7 +36,7 @@ def reqs(tok, n, base=20, temperature=1.0):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_a_forward_pass_under_continuous_batching(tiny, temperature):
     d, tok, model = tiny
-    eng = HFEngine(HFEngineConfig(refill_every=3), d, tok, "w")
+    eng = HFEngine(HFEngineConfig(refill_every=3), EngineContext(d, tok, "w"))
     rs = reqs(tok, 6, temperature=temperature)
     for r in rs[:2]:
         eng.submit(r)
@@ -62,7 +63,7 @@ def test_logprobs_match_a_forward_pass_under_continuous_batching(tiny, temperatu
 
 def test_finished_samples_come_back_before_slow_ones(tiny):
     d, tok, _ = tiny
-    eng = HFEngine(HFEngineConfig(), d, tok, "w")
+    eng = HFEngine(HFEngineConfig(), EngineContext(d, tok, "w"))
     short = GenRequest("short", tok.encode("a"), 3, 1.0, frozenset())
     long = GenRequest("long", tok.encode("b"), 60, 1.0, frozenset())
     eng.submit(long)
@@ -75,7 +76,7 @@ def test_finished_samples_come_back_before_slow_ones(tiny):
 
 def test_greedy_is_deterministic_and_abort_returns_partials(tiny):
     d, tok, _ = tiny
-    eng = HFEngine(HFEngineConfig(), d, tok, "w")
+    eng = HFEngine(HFEngineConfig(), EngineContext(d, tok, "w"))
     r = GenRequest("g", tok.encode("hello"), 30, 0.0, frozenset())
     a = eng.generate([r])[0]
     b = eng.generate([GenRequest("g2", r.context, 30, 0.0, frozenset())])[0]
@@ -90,7 +91,7 @@ def test_greedy_is_deterministic_and_abort_returns_partials(tiny):
 
 def test_load_weights_changes_generation(tiny):
     d, tok, model = tiny
-    eng = HFEngine(HFEngineConfig(), d, tok, "w")
+    eng = HFEngine(HFEngineConfig(), EngineContext(d, tok, "w"))
     z = tok.convert_tokens_to_ids("Z")
     before = eng.generate(reqs(tok, 3))
     assert not all(set(o.tokens) == {z} for o in before)

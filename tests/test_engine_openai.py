@@ -11,6 +11,7 @@ import torch
 from pipeline.checkpoint import write_weights
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from producers.config import OpenAIEngineConfig
+from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.engines.openai import EngineHTTPError, OpenAIEngine
 from producers.openai_server import CompletionServer
@@ -28,7 +29,7 @@ def server():
 
 def test_completions_with_logprobs_match_the_model(server):
     srv, tok, model = server
-    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url), tok)
+    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url), EngineContext(None, tok))
     assert eng.model == "rlstream-policy"
     rs = reqs(tok, 5)
     outs = eng.generate(rs)
@@ -51,7 +52,7 @@ def test_plain_client_sees_an_openai_shaped_answer(server):
 
 def test_abort_keeps_streamed_tokens_and_frees_the_server(server):
     srv, tok, _ = server
-    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url), tok)
+    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url), EngineContext(None, tok))
     eng.submit(GenRequest("long", tok.encode("abc"), 450, 1.0, frozenset()))
     call = eng.calls["long"][0]
     deadline = time.monotonic() + 30
@@ -68,7 +69,7 @@ def test_abort_keeps_streamed_tokens_and_frees_the_server(server):
 
 def test_reload_posts_the_checkpoint_and_changes_generation(server, tmp_path):
     srv, tok, model = server
-    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url), tok)
+    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url), EngineContext(None, tok))
     z = tok.convert_tokens_to_ids("Z")
     uri, sha, _ = write_weights(str(tmp_path), 1, forcing_state_dict(model.state_dict(), z))
     upd = {"version": 1, "uri": uri, "sha256": sha}
@@ -88,8 +89,8 @@ def test_reload_posts_the_checkpoint_and_changes_generation(server, tmp_path):
 def test_server_errors_surface_as_typed_errors(server):
     srv, tok, _ = server
     with pytest.raises(EngineHTTPError, match="404"):
-        OpenAIEngine(OpenAIEngineConfig(base_url=f"http://127.0.0.1:{srv.port}/nope"), tok)
-    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url, model="m"), tok)
+        OpenAIEngine(OpenAIEngineConfig(base_url=f"http://127.0.0.1:{srv.port}/nope"), EngineContext(None, tok))
+    eng = OpenAIEngine(OpenAIEngineConfig(base_url=srv.base_url, model="m"), EngineContext(None, tok))
     eng.submit(GenRequest("bad", [], 5, 1.0, frozenset()))  # the server refuses an empty prompt
     with pytest.raises(EngineHTTPError, match="400"):
         deadline = time.monotonic() + 30

@@ -4,6 +4,7 @@ an interrupted sample resumes to the same total length."""
 import time
 
 from producers.config import SimEngineConfig
+from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.engines.sim import SimEngine, expected_length, sample_length
 
@@ -29,7 +30,7 @@ def test_lengths_are_deterministic_clipped_and_long_tailed():
 
 def test_continuous_batching_time_model():
     cfg = SimEngineConfig(token_latency_s=0.005, median_tokens=40, sigma=0.0)
-    eng = SimEngine(cfg, Tok(), "w")
+    eng = SimEngine(cfg, EngineContext(None, Tok(), "w"))
     t0 = time.monotonic()
     outs = eng.generate([GenRequest(f"g{i}/0#1", [1, 3], 1000, 1.0, EOS) for i in range(32)])
     took = time.monotonic() - t0
@@ -38,7 +39,10 @@ def test_continuous_batching_time_model():
     assert 0.19 <= took < 3.0  # 40 decode steps of 5 ms for the whole batch, not 32 x 40 (6.4 s)
     assert eng.inflight() == 0
 
-    capped = SimEngine(SimEngineConfig(token_latency_s=0.005, median_tokens=40, sigma=0.0, max_batch=16), Tok(), "w")
+    capped = SimEngine(
+        SimEngineConfig(token_latency_s=0.005, median_tokens=40, sigma=0.0, max_batch=16),
+        EngineContext(None, Tok(), "w"),
+    )
     t0 = time.monotonic()
     capped.generate([GenRequest(f"g{i}/0#1", [1], 1000, 1.0, EOS) for i in range(32)])
     assert time.monotonic() - t0 >= 0.39  # two waves of 16
@@ -46,7 +50,7 @@ def test_continuous_batching_time_model():
 
 def test_interrupted_sample_resumes_to_the_same_length():
     cfg = SimEngineConfig(token_latency_s=0.002, median_tokens=100, sigma=0.0)
-    eng = SimEngine(cfg, Tok(), "w")
+    eng = SimEngine(cfg, EngineContext(None, Tok(), "w"))
     tokens, finish = [], "abort"
     for attempt in range(1, 20):
         eng.submit(GenRequest(f"gx/0#{attempt}", [1, *tokens], 1000 - len(tokens), 1.0, EOS))
@@ -62,7 +66,7 @@ def test_interrupted_sample_resumes_to_the_same_length():
 
 def test_length_finish_and_weights():
     cfg = SimEngineConfig(token_latency_s=0.001, median_tokens=50, sigma=0.0, verify_weights=False)
-    eng = SimEngine(cfg, Tok(), "w")
+    eng = SimEngine(cfg, EngineContext(None, Tok(), "w"))
     (out,) = eng.generate([GenRequest("g/0#1", [1], 10, 1.0, EOS)])
     assert out.finish_reason == "length" and len(out.tokens) == 10
     eng.load_weights({"version": 3}, eng.prepare_weights({"version": 3, "uri": "x", "sha256": "y"}))

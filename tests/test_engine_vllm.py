@@ -10,6 +10,7 @@ import torch
 from pipeline.checkpoint import write_weights
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from producers.config import VLLMEngineConfig
+from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.testing import forcing_state_dict, read_topic
 from tests.test_engine_hf import reqs, teacher_forced_logprobs
@@ -29,7 +30,7 @@ def engine():
 
     d = materialize(TinyModelConfig())
     tok = load_tokenizer(d)
-    eng = VLLMEngine(VLLMEngineConfig(max_model_len=256), d, tok)
+    eng = VLLMEngine(VLLMEngineConfig(max_model_len=256), EngineContext(d, tok))
     yield eng, tok, load_model(d)
     eng.close()
 

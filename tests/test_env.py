@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pipeline import codec
+from pipeline.errors import ConfigError
 from pipeline.models import load_model, load_tokenizer, materialize
 from producers import feed
 from producers.envs import Environment, GuessNumberEnv, env_factory
@@ -28,7 +29,7 @@ def test_guess_number_env():
     assert env.secret == secret and 1 <= secret <= 100  # derived from group and sample, deterministic
     assert env_factory("guess_number") is GuessNumberEnv
     assert issubclass(env_factory("producers.envs:GuessNumberEnv"), Environment)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="unknown environment"):
         env_factory("nope")
 
 

@@ -139,6 +139,6 @@ def test_parquet_source(tmp_path, make_config_offline):
 
 @pytest.fixture
 def make_config_offline(tmp_path):
-    from pipeline.config import load_config
+    from rlstream.config import load_config
 
     return lambda *o: load_config(None, [f"run_dir={tmp_path}", *o], environ={})

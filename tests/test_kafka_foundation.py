@@ -6,13 +6,12 @@ import shutil
 import time
 
 import pytest
-from confluent_kafka import TopicPartition
 
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
-from pipeline.broker import pid_alive
 from pipeline.errors import DecodeError, DeliveryError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message
+from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
+from rlstream.broker import pid_alive
 from tests.conftest import run_cli
 from tests.helpers import murmur2_partition
 from tests.test_codec import make_trajectory

@@ -24,8 +24,8 @@ from consumers.reward.base import (
 from consumers.reward.builtin import last_boxed
 from consumers.reward.config import RewardConfig
 from consumers.reward.pool import ProcessPool, ThreadPool
-from pipeline.config import load_config
 from pipeline.errors import ConfigError
+from rlstream.config import load_config
 
 
 def traj(response: str, reference=None, task: str = "t", **kw) -> dict:

@@ -11,7 +11,7 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError
 
 from consumers.reward.worker import RewardWorker
 from pipeline import codec
@@ -66,24 +66,13 @@ def produce(cfg, items: list[tuple[bytes, bytes]], partition: int | None = 0) ->
 
 def read_all(cfg, role: str, min_count: int = 0, timeout: float = 60.0) -> list:
     """Every committed record of a topic up to its end (read_committed), after at least ``min_count``."""
-    topic = cfg.topics.name(role)
-    admin = Admin(client_conf(cfg, "test"))
-    parts = admin.describe([topic])[topic].partitions
-    c = Consumer(client_conf(cfg, "test", kind="consumer"))
-    c.assign([TopicPartition(topic, p, 0) for p in range(parts)])
-    out: list = []
     deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            out.extend(c.consume(500, 0.5))
-            if len(out) >= min_count:
-                ends = {p: admin.watermarks(topic, parts)[p][1] for p in range(parts)}
-                pos = {tp.partition: tp.offset for tp in c.client.position([TopicPartition(topic, p) for p in ends])}
-                if all(pos[p] >= ends[p] or ends[p] == 0 for p in ends):
-                    break
-    finally:
-        c.close()
-    return out
+    while True:
+        with Consumer(client_conf(cfg, "test", kind="consumer")) as c:
+            out = c.read_to_end(cfg.topics.name(role), timeout=max(10.0, deadline - time.monotonic()))
+        if len(out) >= min_count or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
 
 
 def test_failures_go_to_dlq_in_the_same_transaction_as_their_scored_neighbours(make_config, tmp_path):
@@ -187,7 +176,7 @@ def test_zombie_is_fenced_by_a_worker_with_the_same_id(make_config):
     zombie, fresh = RewardWorker(cfg), RewardWorker(cfg)
     with pytest.raises(KafkaClientError) as ei:
         with running(zombie):
-            assert wait_for(lambda: zombie.consumer is not None and zombie.consumer.client.assignment(), 30)
+            assert wait_for(lambda: zombie.consumer is not None and zombie.consumer.assignment(), 30)
             with running(fresh):  # init_transactions with the same transactional.id fences the zombie
                 assert wait_for(lambda: fresh.consumer is not None, 30)
                 produce(cfg, [(b"g1", codec.encode("Trajectory", traj(0, "abc")))])
@@ -197,6 +186,6 @@ def test_zombie_is_fenced_by_a_worker_with_the_same_id(make_config):
 
 
 def test_missing_topics_are_a_clear_error(make_config):
-    cfg = make_config("reward.executor=thread", create=False)
+    cfg = make_config("reward.executor=thread", "liveness.startup_timeout_s=3", create=False)
     with pytest.raises(TopicError, match="rlstream topics create"):
         RewardWorker(cfg).run()

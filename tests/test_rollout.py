@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-from confluent_kafka import TopicPartition
 
 from pipeline import codec
 from pipeline.control import required_version
@@ -64,8 +63,8 @@ def committed(cfg):
     topic = cfg.topics.name("prompts")
     c = Consumer(client_conf(cfg, "test", kind="consumer"), group_id=cfg.rollout.group_id)
     try:
-        parts = [TopicPartition(topic, p) for p in range(cfg.topics.prompts.partitions)]
-        return {tp.partition: tp.offset for tp in c.client.committed(parts, timeout=10)}
+        parts = [(topic, p) for p in range(cfg.topics.prompts.partitions)]
+        return {p: off for (_, p), off in c.committed(parts, timeout=10).items()}
     finally:
         c.close()
 
@@ -120,11 +119,14 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
     z = z_token(cfg)
     forcing = forcing_state_dict(base_state(cfg), z)  # ready before generation starts
     producer = Producer(client_conf(cfg, "test", kind="producer"))
-    producer.client.list_topics(timeout=10)  # connected before the race starts
+    producer.partitions(cfg.topics.name("control"))  # connected before the race starts
     w = WorkerThread(cfg)
-    eng = w.worker.engine
+
+    def rows():  # the engine exists once the worker is set up
+        return w.worker.engine.rows if w.worker.engine is not None else []
+
     wait_for(
-        lambda: eng.rows and min(len(r.tokens) for r in eng.rows) >= 20,
+        lambda: rows() and min(len(r.tokens) for r in rows()) >= 20,
         timeout=240,
         what="generation under way",
         worker=w,

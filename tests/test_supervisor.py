@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from pipeline.broker import pid_alive
-from pipeline.supervisor import ChildDied, Supervisor
+from rlstream.broker import pid_alive
+from rlstream.supervisor import ChildDied, Supervisor
 
 
 def test_dead_child_is_reported_and_others_stopped(tmp_path):

@@ -15,10 +15,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from confluent_kafka import TopicPartition
 
 from pipeline import codec
-from pipeline.kafka import Consumer, Producer, client_conf
+from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf
 from tests.conftest import rlstream_cmd
 
 pytestmark = pytest.mark.kafka
@@ -88,22 +87,8 @@ class ScoredProducer:
 
 
 def read_topic(cfg, role: str, timeout: float = 10.0) -> list[tuple[str, dict]]:
-    topic = cfg.topics.name(role)
-    c = Consumer(client_conf(cfg, "test", kind="consumer"))
-    c.assign([TopicPartition(topic, 0, 0)])
-    out, deadline = [], time.monotonic() + timeout
-    try:
-        _, hi = c.client.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
-        while time.monotonic() < deadline:
-            for m in c.consume(500, 0.5):
-                out.append(codec.decode(m.value()))
-                if m.offset() >= hi - 1:
-                    return out
-            if hi == 0:
-                return out
-    finally:
-        c.close()
-    return out
+    with Consumer(client_conf(cfg, "test", kind="consumer")) as c:
+        return [codec.decode(m.value()) for m in c.read_to_end(cfg.topics.name(role), timeout=max(timeout, 30.0))]
 
 
 def test_stale_samples_never_reach_the_loss(make_config):
@@ -113,6 +98,7 @@ def test_stale_samples_never_reach_the_loss(make_config):
 
     from consumers.trainer import advantages
     from consumers.trainer.batch import sample_from_record, sample_weights, shard_micro_batches
+    from consumers.trainer.engines import TrainContext
     from consumers.trainer.engines.torch_engine import TorchEngine
     from consumers.trainer.losses import micro_batch_loss
     from consumers.trainer.state import read_steps_log
@@ -159,7 +145,7 @@ def test_stale_samples_never_reach_the_loss(make_config):
 
     # Recompute the step-3 loss from the step-2 engine checkpoint on the fresh samples only.
     [tag2] = [d for d in (root / "ckpts").iterdir() if d.name.startswith("step00000002")]
-    eng = TorchEngine(cfg.trainer, materialize(cfg.model))
+    eng = TorchEngine(cfg.trainer.engine, TrainContext(materialize(cfg.model), cfg.trainer))
     eng.load(tag2)
 
     def loss_on(samples):
@@ -268,8 +254,9 @@ def test_bad_late_and_duplicate_records_are_refused_and_one_trainer_owns_the_dir
 
     trainer = Trainer(cfg, max_steps=1)
     try:
+        trainer.start()  # holds the checkpoint dir from set-up on
         with pytest.raises(RlstreamError, match="another trainer"):
-            Trainer(cfg, max_steps=1)
+            Trainer(cfg, max_steps=1).run()
         assert trainer.run() == 1
         counters = dict(trainer.metrics.counters)
     finally:
@@ -279,16 +266,18 @@ def test_bad_late_and_duplicate_records_are_refused_and_one_trainer_owns_the_dir
     dlq = [r for name, r in read_topic(cfg, "dlq") if name == "DeadLetter"]
     assert sorted(r["error_type"] for r in dlq) == ["decode", "invalid"]
     assert any("logprobs" in r["reason"] for r in dlq) and {r["role"] for r in dlq} == {"trainer"}
-    Trainer(cfg, max_steps=1).close()  # the directory is free again once the first one closed
+    second = Trainer(cfg, max_steps=1)
+    second.start()  # the directory is free again once the first one closed
+    second.close()
 
 
 def test_missing_topics_are_a_clear_error(make_config):
     from consumers.trainer.worker import Trainer
     from pipeline.errors import KafkaClientError
 
-    cfg = make_config(*TINY, create=False)
+    cfg = make_config(*TINY, "liveness.startup_timeout_s=3", create=False)
     with pytest.raises(KafkaClientError, match="topics create"):
-        Trainer(cfg)
+        Trainer(cfg).run()
 
 
 @pytest.mark.slow

@@ -8,18 +8,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from consumers.trainer.engines import build_engine  # noqa: E402
+from consumers.trainer.engines import TrainContext, build_engine  # noqa: E402
 from consumers.trainer.losses import micro_batch_loss  # noqa: E402
 from consumers.trainer.step import train_samples  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
 from pipeline.models import load_model, materialize  # noqa: E402
+from rlstream.config import load_config  # noqa: E402
 from tests.test_deepspeed import TINY, assert_close, make_samples  # noqa: E402
 
 
 def setup(*extra):
     cfg = load_config(None, [*TINY, "trainer.lr=0.05", "trainer.micro_batch_size=2", *extra], environ={})
     d = materialize(cfg.model)
-    return cfg, d, build_engine(cfg.trainer, d)
+    return cfg, d, build_engine(cfg.trainer.engine, TrainContext(d, cfg.trainer))
 
 
 def run(cfg, eng, samples, **kw):
@@ -28,7 +28,7 @@ def run(cfg, eng, samples, **kw):
 
 def test_decoupled_ppo_proximal_is_the_weights_before_the_first_update():
     cfg, d, eng = setup("trainer.loss.type=decoupled_ppo", "trainer.minibatches=2")
-    initial = build_engine(cfg.trainer, d)  # frozen copy of the starting weights
+    initial = build_engine(cfg.trainer.engine, TrainContext(d, cfg.trainer))  # frozen copy of the starting weights
     seen = []
 
     def inspect(mbs):
@@ -47,7 +47,7 @@ def test_decoupled_ppo_proximal_is_the_weights_before_the_first_update():
 def test_kl_reference_is_the_initial_model():
     cfg, d, eng = setup("trainer.loss.kl_coef=0.5", "trainer.minibatches=2")
     ref = load_model(d).eval().requires_grad_(False)
-    initial = build_engine(cfg.trainer, d)
+    initial = build_engine(cfg.trainer.engine, TrainContext(d, cfg.trainer))
     refs = []
     out = run(cfg, eng, make_samples(7), ref=ref, on_minibatch=lambda mbs: refs.extend(mbs))
     for mb in refs:

@@ -2,8 +2,10 @@
 combinations and the task -> reward router.
 
 A reward function is a callable ``score(trajectory: dict) -> RewardResult`` where the trajectory
-is the decoded Trajectory record. Built-ins are registered by name as *factories*: the config's
-``kwargs`` go to the factory, which returns the scoring callable. A ``module:function`` is the
+is the decoded Trajectory record. ``REWARDS`` (the plug-in seam of this kind, see
+``pipeline.plugins``) maps a name to a *factory*, imported lazily: the config's ``kwargs`` (its
+config) go to the factory, together with the worker-wide context values it asks for by parameter
+name (``sandbox``), and it returns the scoring callable. A ``module:function`` reference is the
 scoring callable itself; its ``kwargs`` are passed on every call.
 
 This module does no I/O and imports no heavy library; it neither times out nor isolates calls
@@ -12,7 +14,6 @@ This module does no I/O and imports no heavy library; it neither times out nor i
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import ConfigError
+from pipeline.plugins import Registry, is_dotted, load_object
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,19 @@ class RewardResult:
 
 RewardFn = Callable[[dict], RewardResult]
 Factory = Callable[..., RewardFn]
-_REGISTRY: dict[str, Factory] = {}
-_BUILTIN_MODULES = ("consumers.reward.builtin", "consumers.reward.code", "consumers.reward.http")
+REWARDS = Registry(
+    "reward",
+    {
+        "exact_match": "consumers.reward.builtin:exact_match",
+        "regex": "consumers.reward.builtin:regex",
+        "format": "consumers.reward.builtin:format_check",
+        "math": "consumers.reward.builtin:math_answer",
+        "code": "consumers.reward.code:code_tests",
+        "http": "consumers.reward.http:http_reward",
+        "openai_judge": "consumers.reward.http:openai_judge",
+    },
+    hint="module:function",
+)
 
 
 class RewardError(Exception):
@@ -43,25 +56,12 @@ class RewardError(Exception):
 
 def register(name: str) -> Callable[[Factory], Factory]:
     """Decorator: register a factory ``(**kwargs) -> score`` under ``name``."""
-
-    def deco(factory: Factory) -> Factory:
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+    return REWARDS.register(name)
 
 
 def registered() -> list[str]:
     """Names of the registered reward factories (built-ins included)."""
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def _load_builtins() -> None:
-    for mod in _BUILTIN_MODULES:
-        importlib.import_module(mod)
+    return REWARDS.names()
 
 
 def as_result(value: Any) -> RewardResult:
@@ -80,18 +80,10 @@ def as_result(value: Any) -> RewardResult:
 
 
 def resolve_callable(ref: str) -> Callable:
-    """Import ``package.module:attr`` (``attr`` may be dotted)."""
-    mod_name, _, attr = ref.partition(":")
-    if not mod_name or not attr:
+    """Import ``package.module:attr`` (``attr`` may be dotted); ConfigError if it is not callable."""
+    if not is_dotted(ref):
         raise ConfigError(f"reward {ref!r}: expected module:function")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ConfigError(f"reward {ref!r}: cannot import {mod_name}: {exc}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"reward {ref!r}: {mod_name} has no attribute {attr}")
-        obj = getattr(obj, part)
+    obj = load_object(ref)
     if not callable(obj):
         raise ConfigError(f"reward {ref!r} is not callable")
     return obj
@@ -112,10 +104,7 @@ def build(name: str, kwargs: dict | None = None, context: dict | None = None) ->
 
         custom.__name__ = name
         return custom
-    _load_builtins()
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise ConfigError(f"unknown reward {name!r}; built-ins: {', '.join(sorted(_REGISTRY))}, or module:function")
+    factory = REWARDS.get(name)
     params = inspect.signature(factory).parameters
     for key, value in (context or {}).items():
         if key in params and key not in kwargs:

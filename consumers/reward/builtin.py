@@ -12,7 +12,7 @@ import re
 import threading
 from functools import cache
 
-from consumers.reward.base import RewardError, RewardResult, parse_reference, reference_answer, register
+from consumers.reward.base import RewardError, RewardResult, parse_reference, reference_answer
 
 _WS = re.compile(r"\s+")
 FORMAT_PATTERNS = {
@@ -47,7 +47,6 @@ def _normalise(text: str, whitespace: bool, case_sensitive: bool) -> str:
     return text if case_sensitive else text.casefold()
 
 
-@register("exact_match")
 def exact_match(
     reference_key: str = "answer",
     normalize_whitespace: bool = True,
@@ -91,7 +90,6 @@ def exact_match(
     return score
 
 
-@register("regex")
 def regex(
     pattern: str,
     mode: str = "search",
@@ -116,7 +114,6 @@ def regex(
     return score
 
 
-@register("format")
 def format_check(style: str = "boxed", max_chars: int | None = None):
     """1.0 if the response has the expected shape: ``boxed`` (a \\boxed{} answer), ``think_answer``
     (``<think>..</think><answer>..</answer>``), ``answer_tag`` or ``code_block``; and, if
@@ -150,7 +147,6 @@ def _gold_text(answer: str) -> str:
     return f"${a}$"
 
 
-@register("math")
 def math_answer(
     reference_key: str = "answer",
     float_rounding: int = 6,

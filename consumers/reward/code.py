@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from consumers.reward.base import RewardError, RewardResult, parse_reference, register
+from consumers.reward.base import RewardError, RewardResult, parse_reference
 from consumers.reward.sandbox import SandboxLimits, run_python
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -47,7 +47,6 @@ def test_cases(ref: dict) -> list[tuple[str, str]]:
     return cases
 
 
-@register("code")
 def code_tests(partial: bool = False, stop_on_failure: bool | None = None, sandbox=None, **limits):
     """Score the response's program on the reference tests.
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.configbase import StrictModel
+from pipeline.config import StrictModel
 
 
 class RewardSpec(StrictModel):

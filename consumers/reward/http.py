@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from consumers.reward.base import RewardError, RewardResult, register
+from consumers.reward.base import RewardError, RewardResult
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 JUDGE_SYSTEM = "You grade answers. Reply with only a number from 0 to {max_score}."
@@ -80,7 +80,6 @@ def _number(value, what: str) -> float:
     return float(value)
 
 
-@register("http")
 def http_reward(
     url: str,
     score_path: str = "score",
@@ -121,7 +120,6 @@ def http_reward(
     return score
 
 
-@register("openai_judge")
 def openai_judge(
     base_url: str,
     model: str,

@@ -18,52 +18,38 @@ What it is not: it never commits offsets outside a transaction and never writes 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
-import threading
+import math
 import time
-
-from confluent_kafka import TopicPartition
 
 from consumers.reward.metrics import RewardMetrics
 from consumers.reward.pool import make_pool
 from pipeline.admin import Admin
-from pipeline.config import write_resolved
 from pipeline.control import now_ms
 from pipeline.errors import DecodeError, KafkaClientError, TopicError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message, next_offsets
 from pipeline.log import kv
+from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-class RewardWorker:
+class RewardWorker(Worker):
+    role = "reward"
+    unit = "batch"
+
     def __init__(self, cfg):
-        self.cfg, self.rc = cfg, cfg.reward
-        self.worker_id = self.rc.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        super().__init__(cfg, cfg.reward.worker_id)
+        self.rc = cfg.reward
         self.transactional_id = f"{self.rc.transactional_id_prefix}-{self.worker_id}"
         self.topic_in = cfg.topics.name("rollouts")
         self.topic_out = cfg.topics.name("scored")
         self.topic_dlq = cfg.topics.name("dlq")
         self.topic_metrics = cfg.topics.name("metrics")
-        self._stop = threading.Event()
-        self._signals = 0
         self._buffer: list = []
         self._in_txn = False
         self.pool = self.producer = self.consumer = self.metrics = self._metrics_producer = None
-
-    # -- lifecycle --------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Finish (commit) the batch being scored, then leave the group and close."""
-        self._stop.set()
-
-    def _on_signal(self, signum, frame) -> None:
-        self._signals += 1
-        if self._signals > 1:
-            raise KeyboardInterrupt  # second signal: abort the open transaction and exit now
-        log.info("stopping after the current batch %s", kv(signal=signal.Signals(signum).name))
-        self._stop.set()
+        rc = self.rc  # the longest one batch may take to score: every call timing out, one pool slot at a time
+        self._scoring_s = rc.timeout_s * math.ceil(rc.max_batch_size / rc.pool_size) + rc.max_batch_ms / 1000 + 30
 
     def _kafka_settings(self, base: dict, settings: dict, user: dict) -> dict:
         """Role settings under the user's explicit ``kafka.*`` extras, which win."""
@@ -74,14 +60,19 @@ class RewardWorker:
         return conf
 
     def _check_topics(self) -> None:
+        """Wait (up to ``liveness.startup_timeout_s``) for the topics; TopicError names the missing ones."""
         admin = Admin(client_conf(self.cfg, "reward-admin", self.worker_id), self.cfg.kafka.request_timeout_s)
-        missing = {self.topic_in, self.topic_out, self.topic_dlq, self.topic_metrics} - admin.list_topics()
-        if missing:
-            raise TopicError(f"topic(s) missing: {', '.join(sorted(missing))} (run `rlstream topics create`)")
+        wanted = {self.topic_in, self.topic_out, self.topic_dlq, self.topic_metrics}
+        deadline = time.monotonic() + self.liveness.startup_timeout_s
+        while missing := wanted - admin.list_topics():
+            if time.monotonic() > deadline:
+                raise TopicError(f"topic(s) missing: {', '.join(sorted(missing))} (run `rlstream topics create`)")
+            log.warning("waiting for topics (run `rlstream topics create`) %s", kv(missing=",".join(sorted(missing))))
+            time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
 
-    def start(self) -> None:
+    def setup(self) -> None:
         cfg, rc = self.cfg, self.rc
-        path = write_resolved(cfg, f"reward-{self.worker_id}")
+        path = self.write_resolved()
         self._check_topics()
         self.pool = make_pool(rc, cfg.log_level)
         pconf = self._kafka_settings(
@@ -90,7 +81,8 @@ class RewardWorker:
             cfg.kafka.producer,
         )
         self.producer = Producer(pconf, transactional_id=self.transactional_id)
-        self.producer.init_transactions(max(60.0, rc.transaction_timeout_ms / 1000 + 30))  # fences a zombie
+        init_s = max(60.0, rc.transaction_timeout_ms / 1000 + 30)
+        self.startup_call(lambda: self.producer.init_transactions(init_s), "init_transactions")  # fences a zombie
         self._metrics_producer = Producer(client_conf(cfg, "reward-metrics", self.worker_id, "producer"))
         self.metrics = RewardMetrics(self.worker_id, rc, self._metrics_producer, self.topic_metrics)
         cconf = self._kafka_settings(
@@ -122,27 +114,19 @@ class RewardWorker:
             ),
         )
 
-    def run(self) -> None:
-        """Start, score until ``stop()`` (or SIGTERM/SIGINT when on the main thread), then close."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
-        try:
-            self.start()
-            while not self._stop.is_set():
-                batch = self._collect()
-                if batch and not self._stop.is_set():  # on stop, an unscored batch is dropped, not committed
-                    self._process(batch)
-                self.metrics.maybe_publish()
-                self._metrics_producer.poll(0)
-        except BaseException:
-            self.close(failing=True)  # close what can be closed; the original error propagates
-            raise
-        self.close()
+    def run_once(self) -> bool:
+        """Score one batch in one transaction (a stop drops an unscored batch, never commits it)."""
+        batch = self._collect()
+        if batch and not self.stop_event.is_set():
+            self._process(batch)
+        self.metrics.maybe_publish()
+        self._metrics_producer.poll(0)
+        return True
 
-    def close(self, failing: bool = False) -> None:
+    def close(self) -> None:
         """Abort an open transaction, leave the group, stop the pool, publish final metrics, flush.
-        With ``failing`` (an error is propagating) a step that fails is logged, not raised."""
+        After a failure a closing step that fails is logged, not raised."""
+        failing = self.failed
         steps = [
             ("abort", self._abort_on_exit),
             ("consumer", self._close_consumer),  # leaves the group (a static member keeps its slot)
@@ -227,7 +211,7 @@ class RewardWorker:
             self._keep([first])
             self.metrics.consumed()
         deadline = time.monotonic() + rc.max_batch_ms / 1000
-        while self._buffer and not self._stop.is_set() and len(self._buffer) < rc.max_batch_size:
+        while self._buffer and not self.stop_event.is_set() and len(self._buffer) < rc.max_batch_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -238,7 +222,7 @@ class RewardWorker:
     def _keep(self, msgs: list) -> None:
         """Buffer messages of partitions still assigned (a revoke inside poll may have removed some)."""
         if msgs:
-            assigned = {(tp.topic, tp.partition) for tp in self.consumer.client.assignment()}
+            assigned = self.consumer.assignment()
             self._buffer.extend(m for m in msgs if (m.topic(), m.partition()) in assigned)
 
     def _process(self, batch: list) -> None:
@@ -248,9 +232,18 @@ class RewardWorker:
                 good.append((m, decode_message(m, "Trajectory")))
             except DecodeError as exc:
                 bad.append((m, exc.error_type, str(exc), 0.0))
-        outcomes = self.pool.score([t for _, t in good])
+        with self.section("scoring", self._scoring_s):
+            outcomes = self.pool.score([t for _, t in good])
         t0 = time.perf_counter()
         scored, dead = [], []
+        with self.section("transaction", self.liveness.watchdog_s):
+            self._transaction(batch, good, bad, outcomes, scored, dead)
+        self.metrics.committed(scored, dead, (time.perf_counter() - t0) * 1000)
+        log.debug("transaction committed %s", kv(worker_id=self.worker_id, scored=len(scored), dlq=len(dead)))
+
+    def _transaction(self, batch, good, bad, outcomes, scored, dead) -> None:
+        """Produce the batch's results, add its offsets and commit, all in one transaction. librdkafka
+        can block in here forever after a broker restart: the caller's watchdog section bounds it."""
         self.producer.begin_transaction()
         self._in_txn = True
         try:
@@ -265,17 +258,17 @@ class RewardWorker:
                 dead.append((error_type, ms))
             self._txn_checkpoint(batch)
             self.producer.send_offsets_to_transaction(
-                next_offsets(batch), self.consumer.client.consumer_group_metadata(), self.cfg.kafka.request_timeout_s
+                next_offsets(batch), self.consumer, self.cfg.kafka.request_timeout_s
             )
             self._commit()
         except KafkaClientError as exc:
             if exc.fatal:
                 raise  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
             self._abort_and_rewind(batch, exc)
+            scored.clear()
+            dead.clear()
             return
         self._in_txn = False
-        self.metrics.committed(scored, dead, (time.perf_counter() - t0) * 1000)
-        log.debug("transaction committed %s", kv(worker_id=self.worker_id, scored=len(scored), dlq=len(dead)))
 
     def _txn_checkpoint(self, batch: list) -> None:
         log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
@@ -302,10 +295,10 @@ class RewardWorker:
         for m in batch:
             key = (m.topic(), m.partition())
             first[key] = min(first.get(key, m.offset()), m.offset())
-        assigned = {(tp.topic, tp.partition) for tp in self.consumer.client.assignment()}
+        assigned = self.consumer.assignment()
         for (topic, part), offset in first.items():
             if (topic, part) in assigned:
-                self.consumer.client.seek(TopicPartition(topic, part, offset))
+                self.consumer.seek(topic, part, offset)
         log.warning(
             "transaction aborted, rewound %s",
             kv(
@@ -328,20 +321,7 @@ class RewardWorker:
         self.producer.produce_record(self.topic_out, "ScoredTrajectory", rec, key=key)
 
     def _produce_dead(self, m, error_type: str, reason: str) -> None:
-        rec = {
-            "source_topic": m.topic(),
-            "source_partition": m.partition(),
-            "source_offset": m.offset(),
-            "key": m.key(),
-            "value": m.value(),
-            "headers": {k: (v or b"") for k, v in (m.headers() or [])},
-            "error_type": error_type,
-            "reason": reason,
-            "role": "reward",
-            "worker_id": self.worker_id,
-            "failed_at_ms": now_ms(),
-        }
-        self.producer.produce_record(self.topic_dlq, "DeadLetter", rec, key=m.key())
+        self.producer.produce_record(self.topic_dlq, "DeadLetter", self.dead_letter(m, error_type, reason), key=m.key())
         log.warning(
             "sent to DLQ %s",
             kv(error_type=error_type, partition=m.partition(), offset=m.offset(), reason=reason[:200]),
@@ -352,6 +332,6 @@ def _fmt(partitions) -> str:
     return ",".join(f"{tp.topic}[{tp.partition}]" for tp in partitions)
 
 
-def run(cfg) -> None:
+def run(cfg, stop=None) -> None:
     """Entry point of ``rlstream reward``."""
-    RewardWorker(cfg).run()
+    RewardWorker(cfg).run(stop)

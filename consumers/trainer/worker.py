@@ -21,36 +21,36 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
-import threading
 import time
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
-
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
 from consumers.trainer.batch import plan_step, sample_from_record
-from consumers.trainer.engines import build_engine
+from consumers.trainer.engines import TrainContext, build_engine
 from consumers.trainer.engines.base import barrier, broadcast_object, dist_env
 from consumers.trainer.losses import micro_batch_loss
 from consumers.trainer.state import TrainerCheckpoints
 from consumers.trainer.step import train_samples
 from pipeline.checkpoint import gc_versions, read_bytes_verified, write_weights
-from pipeline.config import write_resolved
 from pipeline.control import ControlFollower, now_ms, publish_weight_update
 from pipeline.errors import ConfigError, DecodeError, KafkaClientError, RlstreamError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message
+from pipeline.kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from pipeline.models import load_model, materialize
+from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(Worker):
+    role = "trainer"
+    unit = "step"
+    stops_itself = True  # rank 0 decides and broadcasts the stop, so no collective is left half-done
+
     def __init__(self, cfg, max_steps: int | None = None):
+        super().__init__(cfg, cfg.trainer.trainer_id)
         tc = self.tc = cfg.trainer
-        self.cfg = cfg
         self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
         self.max_steps = tc.max_steps if max_steps is None else max_steps
         if tc.publish_every > self.k + 1:
@@ -61,26 +61,24 @@ class Trainer:
         self.rank, self.world, _ = dist_env()
         self.root = Path(tc.checkpoint_dir or Path(cfg.run_dir) / "trainer")
         self.ckpts = TrainerCheckpoints(self.root)
-        self._lock = self.ckpts.lock() if self.rank == 0 else None  # one trainer per dir; the OS frees it on kill -9
-        try:
-            self._start()
-        except BaseException:
-            self.ckpts.unlock(self._lock)
-            raise
+        self._lock = None
+        self.producer = self.consumer = self.metrics = None
+        self.step = self.version = 0
+        self._closed = False
 
-    def _start(self) -> None:
+    def setup(self) -> None:
         cfg, tc = self.cfg, self.tc
         if self.rank == 0:
-            write_resolved(cfg, "trainer")
+            self._lock = self.ckpts.lock()  # one trainer per dir; the OS frees it on kill -9
+            self.write_resolved("trainer")
         model_dir = materialize(cfg.model)
-        self.engine = build_engine(tc, model_dir)
+        self.engine = build_engine(tc.engine, TrainContext(model_dir, tc))
         self.rank, self.world = self.engine.rank, self.engine.world_size
         self.ref = None
         if tc.loss.kl_coef > 0:
             self.ref = load_model(model_dir, device=str(self.engine.device)).eval().requires_grad_(False)
         self.loss_fn = functools.partial(micro_batch_loss, cfg=tc.loss)
         self.version = self.step = 0
-        self.stop_requested = False
         self._pending_log: list[dict] = []
         ptr = self.ckpts.read_pointer()
         self._tags = [ptr["tag"]] if ptr else []
@@ -117,16 +115,11 @@ class Trainer:
             self.metrics.inc(name, value)  # counters are cumulative across restarts
         conf = {**client_conf(cfg, "trainer", wid, kind="consumer"), "on_commit": self._on_commit}
         self.consumer = Consumer(conf, group_id=tc.group_id)
-        meta = self.consumer.client.list_topics(self.topic, timeout=cfg.kafka.request_timeout_s)
-        tmeta = meta.topics.get(self.topic)
-        if tmeta is None or tmeta.error is not None or not tmeta.partitions:
-            raise KafkaClientError(
-                f"topic {self.topic} is not available ({tmeta and tmeta.error}); run `rlstream topics create`"
-            )
+        timeout = cfg.kafka.request_timeout_s
+        parts = self.startup_call(lambda: self.consumer.partitions(self.topic, timeout), f"topic {self.topic}")
         starts = self.offsets.start_offsets()
-        parts = sorted(tmeta.partitions)
         for p, floor in starts.items():
-            low, _ = self.consumer.client.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
+            low, _ = self.consumer.watermarks(self.topic, p, self.liveness.startup_timeout_s)
             if floor < low:  # retention deleted records this trainer never used: say so, loudly
                 log.error("records lost to retention %s", kv(partition=p, floor=floor, log_start=low, lost=low - floor))
                 self.metrics.inc("retention_lost", low - floor)
@@ -138,7 +131,7 @@ class Trainer:
         """Make rl.control agree with the checkpoint: re-publish its notice if a crash came before it."""
         follower = ControlFollower(self.cfg, "trainer", self.tc.trainer_id)
         try:
-            latest = follower.catch_up(self.cfg.kafka.request_timeout_s)
+            latest = follower.catch_up(self.liveness.startup_timeout_s)
         finally:
             follower.close()
         published = latest["version"] if latest else 0
@@ -151,7 +144,7 @@ class Trainer:
         if published < self.version:
             update = ptr["update"]
             read_bytes_verified(update["uri"], update["sha256"])
-            publish_weight_update(self.producer, self.cfg.topics.name("control"), update)
+            publish_weight_update(self.producer, self.cfg.topics.name("control"), update, self.liveness.outage_s)
             log.info("re-published weight update after restart %s", kv(version=update["version"]))
 
     def _ingest(self, msgs) -> None:
@@ -177,26 +170,14 @@ class Trainer:
                 )
 
     def _dead_letter(self, msg, exc: DecodeError) -> None:
-        rec = {
-            "source_topic": msg.topic(),
-            "source_partition": msg.partition(),
-            "source_offset": msg.offset(),
-            "key": msg.key(),
-            "value": msg.value(),
-            "headers": {k: v or b"" for k, v in (msg.headers() or [])},
-            "error_type": exc.error_type,
-            "reason": str(exc),
-            "role": "trainer",
-            "worker_id": self.tc.trainer_id,
-            "failed_at_ms": now_ms(),
-        }
+        rec = self.dead_letter(msg, exc.error_type, str(exc))
         self.producer.produce_record(self.cfg.topics.name("dlq"), "DeadLetter", rec, key=msg.key())
         self.metrics.inc("dead_lettered")
         log.error("dead-lettered record %s", kv(partition=msg.partition(), offset=msg.offset(), reason=exc))
 
     def _next(self):
         """Rank 0: ("step", samples), ("idle", None) or ("stop", None)."""
-        if self.stop_requested:
+        if self.stop_event.is_set():
             return "stop", None
         groups = self.assembler.take(self.G)
         if groups is None:
@@ -216,47 +197,37 @@ class Trainer:
         return "step", plan.train
 
     # ---- the loop (every rank) -------------------------------------------------------------
-    def run(self) -> int:
-        """Train until ``max_steps`` (0: forever) or SIGTERM/SIGINT. Returns the step reached."""
-        restore = self._install_signals()
-        try:
-            while not (self.max_steps and self.step >= self.max_steps):
-                cmd, payload = self._next() if self.rank == 0 else (None, None)
-                cmd, payload = broadcast_object((cmd, payload), self.world)
-                if cmd == "stop":
-                    break
-                if cmd == "step":
-                    self._do_step(payload)
-            # Stopped between checkpoints: keep what was trained (a collective, so every rank decides).
-            if broadcast_object(bool(self._pending_log) if self.rank == 0 else None, self.world):
-                self._checkpoint()
-        finally:
-            restore()
+    def run_once(self) -> bool:
+        """One trainer step or idle poll. SIGTERM/SIGINT: rank 0 stops after the current step and
+        broadcasts the stop; other ranks (a launcher signals them all) keep going until that
+        broadcast, so no collective is left half-done."""
+        if self.max_steps and self.step >= self.max_steps:
+            return False
+        cmd, payload = self._next() if self.rank == 0 else (None, None)
+        cmd, payload = broadcast_object((cmd, payload), self.world)
+        if cmd == "step":
+            self._do_step(payload)
+        return cmd != "stop"
+
+    def finish(self) -> None:
+        """Stopped between checkpoints: keep what was trained (a collective, so every rank decides)."""
+        if broadcast_object(bool(self._pending_log) if self.rank == 0 else None, self.world):
+            self._checkpoint()
+
+    def result(self) -> int:
         return self.step
-
-    def _install_signals(self):
-        """SIGTERM/SIGINT: rank 0 stops after the current step and broadcasts the stop; other ranks
-        (a launcher signals them all) keep going until that broadcast, so no collective is left
-        half-done."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def on_signal(signum, _frame):
-            log.info("stopping on signal %s", kv(signal=signum, rank=self.rank))
-            self.stop_requested = True  # read on rank 0 only
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        return lambda: [signal.signal(s, h) for s, h in old.items()]
 
     def _do_step(self, samples) -> None:
         t0 = time.monotonic()
-        result = self._train(samples)
+        with self.section("train step"):
+            result = self._train(samples)
         self.step += 1
         self.version += 1
         if self.rank == 0:
             self._account(result, time.monotonic() - t0)
         if self.step % self.tc.publish_every == 0 or (self.max_steps and self.step >= self.max_steps):
-            self._checkpoint()
+            with self.section("checkpoint"):
+                self._checkpoint()
 
     def _train(self, samples) -> dict:
         return train_samples(self.engine, samples, self.tc, self.loss_fn, self.step, self.ref)
@@ -366,7 +337,7 @@ class Trainer:
             }
         )
         t2 = time.monotonic()
-        publish_weight_update(self.producer, self.cfg.topics.name("control"), update)
+        publish_weight_update(self.producer, self.cfg.topics.name("control"), update, self.liveness.outage_s)
         t3 = time.monotonic()
         self._commit_offsets(snapshot)
         self._tags = [*self._tags, tag][-self.tc.keep_checkpoints :]
@@ -381,7 +352,10 @@ class Trainer:
         reads them), so a step does not wait for the group coordinator's round trip."""
         tps = [TopicPartition(self.topic, int(p), st["floor"]) for p, st in snapshot.items()]
         if tps:
-            self.consumer.client.commit(offsets=tps, asynchronous=True)
+            try:
+                self.consumer.commit(tps, asynchronous=True)
+            except KafkaClientError as exc:  # lag display only
+                log.warning("offset commit failed (lag display only) %s", kv(error=exc))
             self._last_commit = tps
 
     @staticmethod
@@ -390,30 +364,34 @@ class Trainer:
             log.warning("offset commit failed (lag display only) %s", kv(error=err))
 
     def close(self) -> None:
-        if self.rank != 0:
+        """Rank 0: final metrics and offset commit, close the clients, free the checkpoint dir.
+        Idempotent."""
+        if self._closed or self.rank != 0:
             return
+        self._closed = True
         try:
-            self.metrics.publish()
-            if getattr(self, "_last_commit", None):  # the last floors, synchronously, before leaving
+            if self.metrics is not None and not self.failed:
+                self.metrics.publish()
+            if getattr(self, "_last_commit", None) and not self.failed:  # the last floors, before leaving
                 try:
-                    self.consumer.commit(offsets=self._last_commit)
+                    self.consumer.commit(self._last_commit)
                 except KafkaClientError as exc:  # lag display only
                     log.warning("final offset commit failed %s", kv(error=exc))
         finally:
             try:
-                self.metrics.close()
-                self.consumer.close()
+                if self.metrics is not None:
+                    self.metrics.close()
+                if self.consumer is not None:
+                    self.consumer.close()
             finally:
                 try:
-                    self.producer.close()
+                    if self.producer is not None:
+                        self.producer.close()
                 finally:
                     self.ckpts.unlock(self._lock)
+                    self._lock = None
 
 
-def run(cfg, max_steps: int | None = None) -> int:
+def run(cfg, max_steps: int | None = None, stop=None) -> int:
     """Run the trainer (``rlstream train``). Returns the step reached."""
-    trainer = Trainer(cfg, max_steps=max_steps)
-    try:
-        return trainer.run()
-    finally:
-        trainer.close()
+    return Trainer(cfg, max_steps=max_steps).run(stop)

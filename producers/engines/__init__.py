@@ -1,5 +1,32 @@
-"""Rollout engines (hf, vllm, openai) behind one interface; see ``producers.engines.base``."""
+"""Rollout engines behind one interface (``producers.engines.base.Engine``), in one registry.
 
-from producers.engines.base import Engine, GenOutput, GenRequest, build_engine
+``ENGINES`` maps ``rollout.engine.type`` to a class: the built-ins ``hf`` (transformers, CPU or
+GPU), ``vllm`` (the vLLM Python engine), ``openai`` (any OpenAI-compatible server) and ``sim`` (a
+load generator for benchmarks), imported only when used, or a user class named by its dotted
+path (``type = "my_pkg.engines:MyEngine"``, with its settings in ``rollout.engine.options``).
+Every engine is built as ``cls(config, EngineContext)``.
+"""
 
-__all__ = ["Engine", "GenOutput", "GenRequest", "build_engine"]
+from __future__ import annotations
+
+from pipeline.plugins import Registry
+from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
+
+ENGINES = Registry(
+    "rollout engine",
+    {
+        "hf": "producers.engines.hf:HFEngine",
+        "vllm": "producers.engines.vllm:VLLMEngine",
+        "openai": "producers.engines.openai:OpenAIEngine",
+        "sim": "producers.engines.sim:SimEngine",
+    },
+    base=Engine,
+)
+
+
+def build_engine(engine_cfg, ctx: EngineContext) -> Engine:
+    """The engine ``engine_cfg.type`` names, holding the version-0 model of ``ctx.model_dir``."""
+    return ENGINES.build(engine_cfg.type, engine_cfg, ctx)
+
+
+__all__ = ["ENGINES", "Engine", "EngineContext", "GenOutput", "GenRequest", "build_engine"]

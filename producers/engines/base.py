@@ -1,4 +1,4 @@
-"""The small interface every rollout engine implements, and the engine factory.
+"""The small interface every rollout engine implements, and the context it is built with.
 
 An engine generates token ids with behaviour logprobs for requests that are already tokenized,
 one request per sample (queue scheduling): ``submit`` a request, call ``step`` repeatedly to
@@ -9,6 +9,11 @@ verified WeightUpdate at a safe point (no request in flight).
 Logprobs are those of the distribution the token was sampled from: ``log_softmax(raw_logits / T)``
 over the whole vocabulary (no top-k/top-p/penalties), ``T = 1`` for greedy decoding.
 
+Every engine is built as ``Engine(config, ctx)``: its own config section (``rollout.engine``) and
+an ``EngineContext``. What it can do is declared as class attributes (``max_model_len``,
+``step_wait_s``, ``weight_formats``), which the worker reads instead of checking names. The
+registry of engines is ``producers.engines.ENGINES``.
+
 What this is not: a tokenizer or a Kafka client. The rollout worker owns prompts and commits;
 engines never see a message. Heavy libraries are imported only by the engine modules.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from pipeline.checkpoint import read_weights
 
@@ -45,12 +52,34 @@ class GenOutput:
     """stop | length | abort"""
 
 
+@dataclass
+class EngineContext:
+    """What every rollout engine is given besides its config section."""
+
+    model_dir: Path
+    """The version-0 model (HF layout: config, weights, tokenizer)."""
+    tokenizer: Any
+    """The policy's tokenizer (already loaded)."""
+    worker_id: str = ""
+    """The rollout worker's id (seeds samplers, names requests)."""
+    max_inflight: int = 32
+    """Most requests the worker keeps in the engine at once."""
+
+
 class Engine(ABC):
-    """Base of the hf, vllm and openai engines."""
+    """Base of every rollout engine. Subclasses take ``(config, ctx: EngineContext)``."""
 
     name = "base"
+    """Label in trajectories and metrics."""
+    max_model_len: int = 1 << 30
+    """Longest context + response the engine can hold (set by the engine once loaded)."""
+    step_wait_s: float = 0.0
+    """How long ``step`` should wait for results when the engine waits on something else (HTTP)."""
+    weight_formats: frozenset[str] = frozenset({"safetensors"})
+    """WeightUpdate formats ``load_weights`` accepts; the worker refuses others, loudly."""
 
-    def __init__(self):
+    def __init__(self, config=None, ctx: EngineContext | None = None):
+        self.config, self.ctx = config, ctx
         self.version = 0
         """Policy version of the weights the engine holds."""
 
@@ -96,24 +125,3 @@ class Engine(ABC):
             for out in self.step(0.05):
                 done[out.rid] = out
         return [done[r.rid] for r in reqs]
-
-
-def build_engine(engine_cfg, model_dir, tokenizer, worker_id: str = "") -> Engine:
-    """The engine that ``engine_cfg.type`` names, loading the version-0 model from ``model_dir``."""
-    if engine_cfg.type == "hf":
-        from producers.engines.hf import HFEngine
-
-        return HFEngine(engine_cfg, model_dir, tokenizer, worker_id)
-    if engine_cfg.type == "vllm":
-        from producers.engines.vllm import VLLMEngine
-
-        return VLLMEngine(engine_cfg, model_dir, tokenizer)
-    if engine_cfg.type == "openai":
-        from producers.engines.openai import OpenAIEngine
-
-        return OpenAIEngine(engine_cfg, tokenizer)
-    if engine_cfg.type == "sim":
-        from producers.engines.sim import SimEngine
-
-        return SimEngine(engine_cfg, tokenizer, worker_id)
-    raise ValueError(f"unknown engine type {engine_cfg.type!r}")

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from pipeline.log import kv
 from pipeline.models import load_model
-from producers.engines.base import Engine, GenOutput, GenRequest
+from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class _Row:
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, cfg, model_dir, tokenizer, worker_id: str = ""):
-        super().__init__()
+    def __init__(self, cfg, ctx: EngineContext):
+        super().__init__(cfg, ctx)
+        model_dir, tokenizer, worker_id = ctx.model_dir, ctx.tokenizer, ctx.worker_id
         device = cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

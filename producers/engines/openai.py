@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from pipeline.checkpoint import read_bytes_verified
 from pipeline.errors import RlstreamError
-from producers.engines.base import Engine, GenOutput, GenRequest
+from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,13 @@ class _Call:
 
 class OpenAIEngine(Engine):
     name = "openai"
+    step_wait_s = 0.01  # results arrive from HTTP threads: wait a little instead of spinning
 
-    def __init__(self, cfg, tokenizer, max_workers: int = 256):
-        super().__init__()
+    def __init__(self, cfg, ctx: EngineContext):
+        super().__init__(cfg, ctx)
         self.cfg = cfg
-        self.tokenizer = tokenizer
+        self.tokenizer = ctx.tokenizer
+        max_workers = max(8, ctx.max_inflight)
         u = urlsplit(cfg.base_url)
         self._scheme, self._host, self._port = u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80)
         self._prefix = u.path.rstrip("/")

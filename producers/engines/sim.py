@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipeline.checkpoint import read_bytes_verified
-from producers.engines.base import Engine, GenOutput, GenRequest
+from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 LOGPROB = -4.0
 """The logprob reported for every simulated token."""
@@ -66,11 +66,11 @@ class _Req:
 class SimEngine(Engine):
     name = "sim"
 
-    def __init__(self, cfg, tokenizer, worker_id: str = ""):
-        super().__init__()
+    def __init__(self, cfg, ctx: EngineContext):
+        super().__init__(cfg, ctx)
         self.cfg = cfg
-        self.max_model_len = 1 << 30
-        self.vocab = len(tokenizer)
+        worker_id = ctx.worker_id
+        self.vocab = len(ctx.tokenizer)
         self.queue: deque[_Req] = deque()
         self.active: list[_Req] = []
         self.progress: dict[str, int] = {}

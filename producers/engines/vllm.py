@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from producers.engines.base import Engine, GenOutput, GenRequest
+from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 _CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -40,8 +40,9 @@ def _reload_from_uri(worker, uri: str, sha256: str) -> int:
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, cfg, model_dir, tokenizer):
-        super().__init__()
+    def __init__(self, cfg, ctx: EngineContext):
+        super().__init__(cfg, ctx)
+        model_dir, tokenizer = ctx.model_dir, ctx.tokenizer
         import torch
 
         if not torch.cuda.is_available():

@@ -1,24 +1,31 @@
-"""Train engines behind one interface (``base.TrainEngine``), built by ``type``:
-``torch`` (one process, or DDP under torchrun), ``deepspeed`` (ZeRO 0-3) and ``sim`` (a load
-generator for benchmarks, not a trainer). Heavy libraries are imported only inside the engine
-that needs them."""
+"""Train engines behind one interface (``base.TrainEngine``), in one registry.
+
+``TRAIN_ENGINES`` maps ``trainer.engine.type`` to a class: ``torch`` (one process, or DDP under
+torchrun), ``deepspeed`` (ZeRO 0-3) and ``sim`` (a load generator for benchmarks, not a
+trainer), imported only when used, or a user class named by its dotted path
+(``type = "my_pkg.train:MyEngine"``, settings in ``trainer.engine.options``). Every engine is
+built as ``cls(config, TrainContext)``.
+"""
 
 from __future__ import annotations
 
+from consumers.trainer.engines.base import TrainContext, TrainEngine
+from pipeline.plugins import Registry
 
-def build_engine(trainer_cfg, model_dir):
-    """The engine named by ``trainer_cfg.engine.type``, holding the model at ``model_dir``."""
-    kind = trainer_cfg.engine.type
-    if kind == "torch":
-        from consumers.trainer.engines.torch_engine import TorchEngine
+TRAIN_ENGINES = Registry(
+    "train engine",
+    {
+        "torch": "consumers.trainer.engines.torch_engine:TorchEngine",
+        "deepspeed": "consumers.trainer.engines.deepspeed_engine:DeepSpeedEngine",
+        "sim": "consumers.trainer.engines.sim_engine:SimEngine",
+    },
+    base=TrainEngine,
+)
 
-        return TorchEngine(trainer_cfg, model_dir)
-    if kind == "deepspeed":
-        from consumers.trainer.engines.deepspeed_engine import DeepSpeedEngine
 
-        return DeepSpeedEngine(trainer_cfg, model_dir)
-    if kind == "sim":
-        from consumers.trainer.engines.sim_engine import SimEngine
+def build_engine(engine_cfg, ctx: TrainContext) -> TrainEngine:
+    """The engine ``engine_cfg.type`` names, holding the model of ``ctx.model_dir``."""
+    return TRAIN_ENGINES.build(engine_cfg.type, engine_cfg, ctx)
 
-        return SimEngine(trainer_cfg, model_dir)
-    raise ValueError(f"unknown train engine {kind!r}")
+
+__all__ = ["TRAIN_ENGINES", "TrainContext", "TrainEngine", "build_engine"]

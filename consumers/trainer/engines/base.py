@@ -3,16 +3,28 @@ the learning-rate schedule, and small torch.distributed helpers (rank/world from
 environment, object broadcast, sums across ranks).
 
 An engine owns the trained model and its optimizer. It does not know about Kafka, versions or
-losses: ``train_step`` takes micro-batches and a ``loss_fn(logp, mb) -> (loss, stats)``.
+losses: ``train_step`` takes micro-batches and a ``loss_fn(logp, mb) -> (loss, stats)``. Every
+engine is built as ``Engine(config, ctx: TrainContext)``: its own section (``trainer.engine``)
+and the trainer's settings it needs (learning rate, optimizer, seed, collective timeout).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainContext:
+    """What every train engine is given besides its config section."""
+
+    model_dir: Path
+    """The model to train (HF layout)."""
+    trainer: Any
+    """The trainer's config section (lr, optim, seed, dist_timeout_s, ...)."""
 
 
 @dataclass
@@ -34,12 +46,6 @@ class StepResult:
 def dist_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) set by torchrun / the deepspeed launcher; (0, 1, 0) otherwise."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def broadcast_object(obj, world: int):
@@ -98,8 +104,10 @@ def token_logprobs(model, mb):
 
 class TrainEngine(ABC):
     """One interface for every engine. All methods are collective under data parallelism: every
-    rank calls them in the same order."""
+    rank calls them in the same order. Subclasses take ``(config, ctx: TrainContext)``."""
 
+    multi_process: bool = True
+    """Capability: runs under torchrun / the deepspeed launcher with several ranks."""
     rank: int = 0
     world_size: int = 1
     device = "cpu"

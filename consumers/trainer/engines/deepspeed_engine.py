@@ -22,14 +22,15 @@ import torch
 
 from consumers.trainer.engines.base import (
     StepResult,
+    TrainContext,
     TrainEngine,
-    free_port,
     merge_stats,
     token_logprobs,
     warmup_lambda,
 )
 from pipeline.log import kv
 from pipeline.models import load_model
+from pipeline.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ def _prefer_interpreter_ninja() -> None:
 
 
 class DeepSpeedEngine(TrainEngine):
-    def __init__(self, trainer_cfg, model_dir: Path):
+    def __init__(self, config, ctx: TrainContext):
+        trainer_cfg, model_dir = ctx.trainer, ctx.model_dir
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _prefer_interpreter_ninja()
@@ -91,7 +93,7 @@ class DeepSpeedEngine(TrainEngine):
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         torch.manual_seed(trainer_cfg.seed)
         module = load_model(model_dir, dtype="float32", device="cpu")
-        if trainer_cfg.engine.gradient_checkpointing:
+        if config.gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.train()
         self.config = module.config

@@ -13,14 +13,18 @@ import json
 import time
 from pathlib import Path
 
-from consumers.trainer.engines.base import StepResult, TrainEngine, dist_env
+from consumers.trainer.engines.base import StepResult, TrainContext, TrainEngine, dist_env
 from pipeline.errors import ConfigError
 from pipeline.models import load_model
 
 
 class SimEngine(TrainEngine):
-    def __init__(self, trainer_cfg, model_dir: Path):
+    multi_process = False
+
+    def __init__(self, config, ctx: TrainContext):
+        trainer_cfg, model_dir = ctx.trainer, ctx.model_dir
         self.cfg = trainer_cfg
+        self.engine_cfg = config
         self.rank, self.world_size, _ = dist_env()
         if self.world_size != 1:
             raise ConfigError("trainer.engine.type = 'sim' runs in one process (no torchrun)")
@@ -35,7 +39,7 @@ class SimEngine(TrainEngine):
 
     def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> StepResult:
         tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches if mb.ids)
-        time.sleep(self.cfg.engine.token_cost_s * tokens)
+        time.sleep(self.engine_cfg.token_cost_s * tokens)
         self.tokens += tokens
         self.steps += 1
         return StepResult(loss=0.0, grad_norm=0.0, lr=self.lr, stats={}, grads={} if capture_grads else None)

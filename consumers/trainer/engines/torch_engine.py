@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 
-from consumers.trainer.engines.base import StepResult, TrainEngine, dist_env, merge_stats, token_logprobs, warmup_lambda
+from consumers.trainer.engines.base import (
+    StepResult,
+    TrainContext,
+    TrainEngine,
+    dist_env,
+    merge_stats,
+    token_logprobs,
+    warmup_lambda,
+)
 from pipeline.log import kv
 from pipeline.models import load_model
 
@@ -22,8 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class TorchEngine(TrainEngine):
-    def __init__(self, trainer_cfg, model_dir: Path):
-        ecfg = trainer_cfg.engine
+    def __init__(self, config, ctx: TrainContext):
+        ecfg, trainer_cfg, model_dir = config, ctx.trainer, ctx.model_dir
         self.cfg = trainer_cfg
         self.rank, self.world_size, local = dist_env()
         use_cuda = ecfg.device == "cuda" or (ecfg.device == "auto" and torch.cuda.is_available())

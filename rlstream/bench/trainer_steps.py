@@ -2,7 +2,7 @@
 per-step checkpoint path -- writing the safetensors weights, the trainer checkpoint (engine state
 + pointer), and publishing the WeightUpdate on rl.control.
 
-    python -m bench.trainer_steps [--steps 30] [--engine torch|deepspeed] [--bootstrap HOST:PORT]
+    python -m rlstream.bench.trainer_steps [--steps 30] [--engine torch|deepspeed] [--bootstrap HOST:PORT]
 
 Uses ``--bootstrap`` or ``KAFKA_BOOTSTRAP`` if given, else starts a local broker (as the tests do)
 and stops it at the end. All scored records are produced first, so the trainer is never waiting
@@ -24,8 +24,8 @@ import uuid
 
 from pipeline import codec
 from pipeline.admin import ensure_topics
-from pipeline.config import load_config
 from pipeline.kafka import Producer, client_conf
+from rlstream.config import load_config
 
 
 def scored_record(gid: str, idx: int, size: int, rng: random.Random, prompt: int, response: int) -> dict:
@@ -109,6 +109,7 @@ def run(bootstrap: str, steps: int, engine: str, prompt: int, response: int, run
     worker.write_weights = timed(t, "write_weights_ms", worker.write_weights)
     worker.publish_weight_update = timed(t, "publish_ms", worker.publish_weight_update)
     trainer = worker.Trainer(cfg, max_steps=steps)
+    trainer.start()  # set up now, so its engine can be timed
     trainer.engine.save = timed(t, "engine_save_ms", trainer.engine.save)
     trainer.ckpts.write_pointer = timed(t, "pointer_ms", trainer.ckpts.write_pointer)
     trainer.engine.train_step = timed(t, "optimizer_step_ms", trainer.engine.train_step)
@@ -154,9 +155,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         bootstrap = args.bootstrap
         if not bootstrap:
-            from tests.kafka_fixture import kafka_broker
+            from rlstream.bench.harness import broker
 
-            bootstrap, _ = stack.enter_context(kafka_broker())
+            bootstrap = stack.enter_context(broker(None))
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rlstream-bench-trainer-"))
         result = run(bootstrap, args.steps, args.engine, args.prompt_tokens, args.response_tokens, run_dir)
     print(json.dumps(result, indent=2))

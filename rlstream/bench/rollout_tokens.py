@@ -2,7 +2,7 @@
 (and of the vllm engine when vllm is importable), for a batch of samples that all run to the
 token budget (EOS is not a stop token here), after one warm-up round.
 
-    python bench/rollout_tokens.py [--samples 32] [--tokens 128] [--engines hf,vllm] [--threads N]
+    python -m rlstream.bench.rollout_tokens [--samples 32] [--tokens 128] [--engines hf,vllm] [--threads N]
 
 Prints one JSON line per engine. It measures the engine alone (no Kafka).
 """
@@ -13,25 +13,16 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import TinyModelConfig, load_tokenizer, materialize
 from producers.config import HFEngineConfig, VLLMEngineConfig
-from producers.engines.base import GenRequest
+from producers.engines import EngineContext, GenRequest, build_engine
 
 
 def make_engine(name: str, model_dir, tok, max_len: int, threads: int):
-    if name == "hf":
-        from producers.engines.hf import HFEngine
-
-        return HFEngine(HFEngineConfig(threads=threads), model_dir, tok, "bench")
-    from producers.engines.vllm import VLLMEngine
-
-    return VLLMEngine(VLLMEngineConfig(max_model_len=max_len), model_dir, tok)
+    cfg = HFEngineConfig(threads=threads) if name == "hf" else VLLMEngineConfig(max_model_len=max_len)
+    return build_engine(cfg, EngineContext(model_dir, tok, "bench"))
 
 
 def bench(name: str, samples: int, tokens: int, threads: int, rounds: int) -> dict:

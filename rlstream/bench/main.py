@@ -14,13 +14,13 @@ import os
 import time
 from pathlib import Path
 
-from bench.harness import BenchContext, broker, machine, update_docs, write_json
+from rlstream.bench.harness import BenchContext, broker, machine, update_docs, write_json
 
 BENCHMARKS = {
-    "async": "bench.async_sync",
-    "transport": "bench.transport",
-    "weights": "bench.weights",
-    "scaling": "bench.scaling",
+    "async": "rlstream.bench.async_sync",
+    "transport": "rlstream.bench.transport",
+    "weights": "rlstream.bench.weights",
+    "scaling": "rlstream.bench.scaling",
 }
 TITLES = {
     "async": "async vs sync",

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.async_sync import write_prompts
-from bench.harness import (
+from rlstream.bench.async_sync import write_prompts
+from rlstream.bench.harness import (
     BenchContext,
     log_line,
     make_config,

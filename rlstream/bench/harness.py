@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline.log import kv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -54,8 +54,8 @@ def broker(bootstrap: str | None, say=print):
     if bootstrap:
         yield bootstrap
         return
-    from pipeline.broker import LocalBroker
-    from pipeline.config import BrokerConfig
+    from rlstream.broker import LocalBroker
+    from rlstream.config import BrokerConfig
 
     data = tempfile.mkdtemp(prefix="rlstream-bench-broker-")
     b = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=768))
@@ -81,7 +81,8 @@ def child_env() -> dict[str, str]:
 
 def make_config(ctx: BenchContext, name: str, sets: list[str]):
     """Resolve the config of one pipeline run (fresh topics and run dir) and write it as TOML."""
-    from pipeline.config import dump_toml, load_config
+    from pipeline.config import dump_toml
+    from rlstream.config import load_config
 
     run_dir = (ctx.out / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +134,7 @@ def run_pipeline(
     (``trainer.max_steps``) or ``done()`` returns True; then stop everything (SIGTERM, then SIGKILL)."""
     from pipeline.admin import ensure_topics
     from pipeline.models import materialize
-    from pipeline.supervisor import ChildDied, Supervisor
+    from rlstream.supervisor import ChildDied, Supervisor
 
     ensure_topics(cfg)
     materialize(cfg.model)  # once, so the workers do not all build it at the same moment
@@ -181,17 +182,15 @@ def run_pipeline(
 
 def group_stable(cfg, group_id: str, members: int) -> bool:
     """True once ``group_id`` is Stable with ``members`` members, each holding partitions."""
-    from confluent_kafka.admin import AdminClient
-
+    from pipeline.admin import Admin
+    from pipeline.errors import RlstreamError
     from pipeline.kafka import client_conf
 
-    admin = AdminClient(client_conf(cfg, "bench"))
-    try:  # keep `admin` referenced until the future resolves
-        desc = admin.describe_consumer_groups([group_id])[group_id].result(10)
-    except Exception:  # not created yet, or the coordinator is busy: ask again
+    try:
+        state, n, assigned = Admin(client_conf(cfg, "bench"), 10).group_state(group_id)
+    except RlstreamError:  # not created yet, or the coordinator is busy: ask again
         return False
-    assigned = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
-    return str(desc.state).endswith("STABLE") and len(desc.members) == members and len(assigned) == members
+    return state == "STABLE" and n == members and assigned == members
 
 
 # ---- py-spy ------------------------------------------------------------------------------------
@@ -269,35 +268,18 @@ def summarize_profile(path: str | Path, rate_hz: float = 100.0, top: int = 10) -
 # ---- reading a run back ------------------------------------------------------------------------
 def read_topic(cfg, role: str, schema: str | None = None, timeout_s: float = 60) -> list[tuple[int, int, int, dict]]:
     """Every committed record of a topic as ``(broker timestamp ms, partition, offset, record)``."""
-    from confluent_kafka import TopicPartition
-
     from pipeline import codec
-    from pipeline.admin import Admin
     from pipeline.errors import DecodeError
     from pipeline.kafka import Consumer, client_conf
 
-    topic = cfg.topics.name(role)
-    marks = Admin(client_conf(cfg, "bench"), cfg.kafka.request_timeout_s).watermarks(topic)
-    todo = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
     out: list[tuple[int, int, int, dict]] = []
-    if not todo:
-        return out
-    c = Consumer(client_conf(cfg, "bench", kind="consumer"))
-    c.assign([TopicPartition(topic, p, marks[p][0]) for p in todo])
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            for m in c.consume(5000, 0.5):
-                try:
-                    rec = codec.decode(m.value(), schema)[1]
-                except DecodeError:
-                    continue
-                out.append((m.timestamp()[1], m.partition(), m.offset(), rec))
-            pos = c.client.position([TopicPartition(topic, p) for p in todo])
-            if all(tp.offset >= 0 and tp.offset >= todo[tp.partition] for tp in pos):
-                break
-    finally:
-        c.close()
+    with Consumer(client_conf(cfg, "bench", kind="consumer")) as c:
+        for m in c.read_to_end(cfg.topics.name(role), timeout=timeout_s, strict=False):
+            try:
+                rec = codec.decode(m.value(), schema)[1]
+            except DecodeError:
+                continue
+            out.append((m.timestamp()[1], m.partition(), m.offset(), rec))
     return out
 
 

@@ -31,7 +31,7 @@ from confluent_kafka import Producer as RawProducer
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.harness import (
+from rlstream.bench.harness import (
     BenchContext,
     log_line,
     make_config,
@@ -42,7 +42,7 @@ from bench.harness import (
     summarize_profile,
     write_json,
 )
-from bench.raw_kafka import measure_throughput
+from rlstream.bench.raw_kafka import measure_throughput
 
 SIZES = {
     "tiny": {"trajectories": 256, "response_tokens": 128, "prompt_tokens": 32, "trainer_steps": 4, "raw_factor": 1},
@@ -105,7 +105,7 @@ def produce_rollouts(cfg, recs) -> tuple[int, float, float]:
     nbytes = sum(len(codec.encode("Trajectory", r)) for r in recs[:64]) * len(recs) / min(64, len(recs))
     n = 0
     with Producer(client_conf(cfg, "bench", kind="producer")) as p:
-        p.client.list_topics(topic, timeout=30)  # connected before the clock starts
+        p.partitions(topic)  # connected before the clock starts
         t0 = time.perf_counter()
         for rec in recs:  # what a rollout worker does per trajectory: encode, produce with headers
             p.produce_record(topic, "Trajectory", rec, key=rec["group_id"].encode())

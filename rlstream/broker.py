@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from pipeline.errors import BrokerError
 from pipeline.log import kv
+from pipeline.ports import free_port, pid_alive, port_open
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -45,35 +45,6 @@ logger.kafka.level = INFO
 logger.state.name = state.change.logger
 logger.state.level = WARN
 """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still "exists"; treat it as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 def read_state(data_dir: Path) -> dict | None:
@@ -306,11 +277,11 @@ class LocalBroker:
     def _ready(self, port: int) -> bool:
         if not port_open(self.cfg.host, port, timeout=0.2):
             return False
-        from confluent_kafka.admin import AdminClient
+        from pipeline.admin import Admin
 
         try:
-            md = AdminClient({"bootstrap.servers": f"{self.cfg.host}:{port}"}).list_topics(timeout=2)
-            return bool(md.brokers)
+            Admin({"bootstrap.servers": f"{self.cfg.host}:{port}"}, timeout=2).list_topics()
+            return True
         except Exception:  # not ready yet
             return False
 

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import (
+from rlstream.bench.harness import (
     BenchContext,
     group_stable,
     log_line,
@@ -27,7 +27,7 @@ from bench.harness import (
     run_pipeline,
     write_json,
 )
-from bench.transport import produce_rollouts, trajectories
+from rlstream.bench.transport import produce_rollouts, trajectories
 
 SIZES = {
     "tiny": {"workers": [1, 2], "trajectories": 512, "response_tokens": 128},

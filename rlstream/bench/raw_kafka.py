@@ -1,7 +1,7 @@
 """Raw Kafka figures on this machine: the local broker's cold and warm start times, and plain
 confluent-kafka produce/consume throughput for 8 KB messages (messages/s and MB/s).
 
-    python -m bench.raw_kafka [--messages 50000] [--size 8192] [--bootstrap HOST:PORT]
+    python -m rlstream.bench.raw_kafka [--messages 50000] [--size 8192] [--bootstrap HOST:PORT]
 
 With --bootstrap it measures that broker and skips the start timings. Otherwise it starts a
 local broker in a temporary directory (cold: fresh storage; warm: restart on the same data),
@@ -97,8 +97,8 @@ def main() -> None:
     if args.bootstrap:
         result["throughput"] = measure_throughput(args.bootstrap, args.messages, args.size)
     else:
-        from pipeline.broker import LocalBroker
-        from pipeline.config import BrokerConfig
+        from rlstream.broker import LocalBroker
+        from rlstream.config import BrokerConfig
 
         data = tempfile.mkdtemp(prefix="rlstream-bench-broker-")
         broker = LocalBroker(BrokerConfig(port=0, data_dir=data))

@@ -28,7 +28,7 @@ import math
 import random
 from pathlib import Path
 
-from bench.harness import (
+from rlstream.bench.harness import (
     BenchContext,
     log_line,
     make_config,

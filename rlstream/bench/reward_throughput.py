@@ -2,7 +2,7 @@
 included: decode, score, produce, send offsets, commit) for a trivial reward (exact match), the
 math verifier (math-verify) and, with --code, the code sandbox.
 
-    python -m bench.reward_throughput [--n 3000] [--n-math 1500] [--code 60] [--bootstrap HOST:PORT]
+    python -m rlstream.bench.reward_throughput [--n 3000] [--n-math 1500] [--code 60] [--bootstrap HOST:PORT]
 
 Uses ``--bootstrap`` or ``KAFKA_BOOTSTRAP`` if given, else starts a local broker (as the tests do)
 and stops it at the end. Each case gets its own topics; the rollouts are produced first, then one
@@ -13,7 +13,6 @@ commit. It prints figures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -24,9 +23,10 @@ import uuid
 from consumers.reward.worker import RewardWorker
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
-from pipeline.config import load_config
 from pipeline.kafka import Producer, client_conf, wait_for
-from tests.test_codec import make_trajectory
+from rlstream.bench.harness import broker
+from rlstream.bench.transport import trajectories
+from rlstream.config import load_config
 
 
 def _math_item(i: int, rng: random.Random) -> tuple[str, str]:
@@ -47,10 +47,9 @@ def _code_item(i: int) -> tuple[str, str]:
 def produce(cfg, kind: str, n: int) -> None:
     rng = random.Random(0)
     with Producer(client_conf(cfg, "bench", kind="producer")) as p:
-        for i in range(n):
-            t = make_trajectory(i, 256, rng)
-            group = f"g{i // 8}"
-            t.update(trajectory_id=f"{group}/{i % 8}", group_id=group, sample_index=i % 8, task=kind)
+        for i, t in enumerate(trajectories(n, 256, 256)):
+            group = t["group_id"]
+            t.update(task=kind, response_text="abc", reference=json.dumps({"answer": "abc"}))
             if kind == "math":
                 gold, t["response_text"] = _math_item(i, rng)
                 t["reference"] = json.dumps({"answer": gold})
@@ -96,17 +95,6 @@ def run_case(bootstrap: str, name: str, kind: str, n: int, sets: list[str], run_
         "transactions": int(m.counters.get("transactions", 0)),
         "dlq": int(m.counters.get("dlq", 0)),
     }
-
-
-@contextlib.contextmanager
-def broker(bootstrap: str | None):
-    if bootstrap:
-        yield bootstrap
-        return
-    from tests.kafka_fixture import kafka_broker
-
-    with kafka_broker() as (bs, _source):
-        yield bs
 
 
 def main() -> None:

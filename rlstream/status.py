@@ -15,12 +15,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from confluent_kafka import TopicPartition
-
 from pipeline import codec
 from pipeline.admin import Admin
 from pipeline.errors import DecodeError
-from pipeline.kafka import Consumer, client_conf
+from pipeline.kafka import Consumer, TopicPartition, client_conf
 
 STAGES = (  # stage, input topic role, consumer group attribute, output topic role
     ("rollout", "prompts", "rollout", "rollouts"),
@@ -41,26 +39,11 @@ class StatusReader:
 
     def close(self) -> None:
         self.consumer.close()
+        self.admin.close()
 
     # -- raw reads ---------------------------------------------------------------------------
-    def _read_all(self, topic: str, limit: int = 200_000) -> list:
-        marks = self.admin.watermarks(topic)
-        todo = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
-        if not todo:
-            return []
-        self.consumer.assign([TopicPartition(topic, p, marks[p][0]) for p in todo])
-        out, deadline = [], time.monotonic() + 30
-        done: set[int] = set()
-        while len(done) < len(todo) and len(out) < limit and time.monotonic() < deadline:
-            for m in self.consumer.consume(1000, 0.5):
-                out.append(m)
-                if m.offset() >= todo[m.partition()] - 1:
-                    done.add(m.partition())
-            # transactional markers occupy offsets, so also stop on position
-            pos = self.consumer.client.position([TopicPartition(topic, p) for p in todo])
-            done |= {tp.partition for tp in pos if tp.offset >= 0 and tp.offset >= todo[tp.partition]}
-        self.consumer.client.unassign()
-        return out
+    def _read_all(self, topic: str) -> list:
+        return self.consumer.read_to_end(topic, timeout=30, strict=False)
 
     def _record_at(self, topic: str, partition: int, offset: int, hi: int) -> dict | None:
         """Decode the first record at or after ``offset`` (skipping transaction markers)."""
@@ -76,7 +59,7 @@ class StatusReader:
                         return None
             return None
         finally:
-            self.consumer.client.unassign()
+            self.consumer.unassign()
 
     # -- views -------------------------------------------------------------------------------
     def control(self) -> dict:
@@ -225,3 +208,67 @@ def render(snap: dict):
         "rollout versions", ", ".join(f"{k}: v{v}" for k, v in snap["rollout_loaded_versions"].items()) or "-"
     )
     return Group(t, w, extra)
+
+
+def show(cfg, json_out: bool = False, watch: bool = False, interval: float = 2.0) -> None:
+    """``rlstream status``: one snapshot (table or JSON), or a live view until Ctrl-C."""
+    import json
+
+    from rich.console import Console
+
+    reader = StatusReader(cfg)
+    try:
+        if json_out:
+            print(json.dumps(reader.snapshot(interval), indent=2, default=str))
+            return
+        out = Console()
+        if not watch:
+            out.print(render(reader.snapshot(interval)))
+            return
+        from rich.live import Live
+
+        with Live(render(reader.snapshot(interval)), console=out, refresh_per_second=1) as live:
+            while True:
+                live.update(render(reader.snapshot(interval)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reader.close()
+
+
+def describe_topics(cfg, json_out: bool = False) -> None:
+    """``rlstream topics describe``: partitions, replication, configs and messages per topic."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    keys = ("retention.ms", "cleanup.policy", "max.message.bytes")
+    names = [cfg.topics.name(r) for r in cfg.topics.specs()]
+    admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
+    try:
+        infos = admin.describe(names, with_offsets=True)
+    finally:
+        admin.close()
+    if json_out:
+        print(
+            json.dumps(
+                {
+                    n: {
+                        "partitions": i.partitions,
+                        "replication_factor": i.replication_factor,
+                        "messages": i.messages,
+                        "configs": {k: i.configs.get(k) for k in keys},
+                    }
+                    for n, i in infos.items()
+                },
+                indent=2,
+            )
+        )
+        return
+    t = Table("topic", "partitions", "rf", "messages", "retention.ms", "cleanup", "max.message.bytes")
+    for n, i in infos.items():
+        t.add_row(
+            n, str(i.partitions), str(i.replication_factor), str(i.messages), *(i.configs.get(k, "") for k in keys)
+        )
+    Console().print(t)

@@ -1,5 +1,6 @@
-"""The ``rlstream`` command line. One subcommand per role; each parses the config, imports heavy
-libraries only afterwards, and calls the role's ``run(config)``."""
+"""The ``rlstream`` command line. One subcommand per role; each resolves the config (file < env <
+``--set``), fixes the Kafka bootstrap address once, imports heavy libraries only afterwards, and
+calls the role's ``run(config)``. Typed rlstream errors print one clear line and exit 2."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from pipeline.errors import RlstreamError
 
@@ -21,11 +21,6 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved config
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
-bench_app = typer.Typer(
-    no_args_is_help=True,
-    help="Benchmarks (async vs sync, transport, weight notices, scaling); results as JSON + PNG, tables for the docs.",
-)
-app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.", show_default=False)]
@@ -41,18 +36,28 @@ def main(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     _root["config"], _root["set"] = config, list(set_ or [])
 
 
-def load(config: Path | None = None, set_: list[str] | None = None):
-    """Resolve the config from root and command options, and set up logging."""
-    from pipeline.config import load_config
-    from pipeline.log import setup_logging
+def sources(config: Path | None = None, set_: list[str] | None = None) -> tuple[Path | None, list[str]]:
+    """The config file and ``--set`` items of the root options and of the command's own."""
+    return config or _root.get("config"), [*_root.get("set", []), *(set_ or [])]
 
-    cfg = load_config(config or _root.get("config"), [*_root.get("set", []), *(set_ or [])])
+
+def load(config: Path | None = None, set_: list[str] | None = None, resolve: bool = True):
+    """Resolve the config, set up logging and (``resolve``) fix the Kafka bootstrap address."""
+    from pipeline.log import setup_logging
+    from rlstream.config import load_config, resolve_bootstrap
+
+    cfg = load_config(*sources(config, set_))
     setup_logging(cfg.log_level)
+    if resolve:
+        resolve_bootstrap(cfg)
     return cfg
 
 
 def run_cli() -> None:
     """Console entry point: typed rlstream errors become one clear line and exit code 2."""
+    from pipeline.worker import die_with_parent
+
+    die_with_parent()
     try:
         app()
     except RlstreamError as exc:
@@ -61,29 +66,28 @@ def run_cli() -> None:
 
 
 # ---- broker ---------------------------------------------------------------------------------
+def _broker(config, set_):
+    from rlstream.broker import LocalBroker
+
+    return LocalBroker(load(config, set_, resolve=False).broker)
+
+
 @broker_app.command("start")
 def broker_start(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Start the local KRaft broker (downloads Kafka's jars with Maven on first use)."""
-    from pipeline.broker import LocalBroker
-
-    state = LocalBroker(load(config, set_).broker).start(progress=console.print)
-    print(state["bootstrap"])
+    print(_broker(config, set_).start(progress=console.print)["bootstrap"])
 
 
 @broker_app.command("stop")
 def broker_stop(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Stop the local broker by its recorded PID."""
-    from pipeline.broker import LocalBroker
-
-    LocalBroker(load(config, set_).broker).stop(progress=console.print)
+    _broker(config, set_).stop(progress=console.print)
 
 
 @broker_app.command("status")
 def broker_status(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the local broker's state as JSON; exit 1 if it is not running."""
-    from pipeline.broker import LocalBroker
-
-    state = LocalBroker(load(config, set_).broker).state()
+    state = _broker(config, set_).state()
     print(json.dumps(state or {"running": False}, indent=2))
     raise typer.Exit(0 if state else 1)
 
@@ -91,15 +95,10 @@ def broker_status(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 @broker_app.command("logs")
 def broker_logs(lines: int = typer.Option(50, "--lines", "-n"), config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the end of the local broker's logs."""
-    from pipeline.broker import LocalBroker
-
-    print(LocalBroker(load(config, set_).broker).tail(lines), end="")
+    print(_broker(config, set_).tail(lines), end="")
 
 
-@app.command(
-    "kafka-tool",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
+@app.command("kafka-tool", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def kafka_tool(
     ctx: typer.Context,
     name: str = typer.Argument(
@@ -114,17 +113,16 @@ def kafka_tool(
     """
     import subprocess
 
-    from pipeline.broker import kafka_tool_argv
-    from pipeline.kafka import resolve_bootstrap
+    from rlstream.broker import kafka_tool_argv
 
     cfg = load(config, set_)
     args = list(ctx.args)
     if "--bootstrap-server" not in args:
-        args = ["--bootstrap-server", resolve_bootstrap(cfg.kafka, cfg.broker), *args]
+        args = ["--bootstrap-server", cfg.kafka.bootstrap_servers, *args]
     raise typer.Exit(subprocess.run(kafka_tool_argv(name, args)).returncode)
 
 
-# ---- topics ---------------------------------------------------------------------------------
+# ---- topics and config ----------------------------------------------------------------------
 @topics_app.command("create")
 def topics_create(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Create every configured topic; safe to run again (configs are brought in line)."""
@@ -139,42 +137,9 @@ def topics_describe(
     json_out: bool = typer.Option(False, "--json"), config: ConfigOpt = None, set_: SetOpt = None
 ) -> None:
     """Partitions, replication, configs and offsets of every configured topic."""
-    from pipeline.admin import Admin
-    from pipeline.kafka import client_conf
+    from rlstream.status import describe_topics
 
-    cfg = load(config, set_)
-    names = [cfg.topics.name(r) for r in cfg.topics.specs()]
-    infos = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s).describe(names, with_offsets=True)
-    if json_out:
-        print(
-            json.dumps(
-                {
-                    n: {
-                        "partitions": i.partitions,
-                        "replication_factor": i.replication_factor,
-                        "messages": i.messages,
-                        "configs": {
-                            k: i.configs.get(k) for k in ("retention.ms", "cleanup.policy", "max.message.bytes")
-                        },
-                    }
-                    for n, i in infos.items()
-                },
-                indent=2,
-            )
-        )
-        return
-    t = Table("topic", "partitions", "rf", "messages", "retention.ms", "cleanup", "max.message.bytes")
-    for n, i in infos.items():
-        t.add_row(
-            n,
-            str(i.partitions),
-            str(i.replication_factor),
-            str(i.messages),
-            i.configs.get("retention.ms", ""),
-            i.configs.get("cleanup.policy", ""),
-            i.configs.get("max.message.bytes", ""),
-        )
-    Console().print(t)
+    describe_topics(load(config, set_), json_out)
 
 
 @topics_app.command("delete")
@@ -193,13 +158,12 @@ def topics_delete(
         print(f"{name}\t{status}")
 
 
-# ---- config ---------------------------------------------------------------------------------
 @config_app.command("show")
 def config_show(json_out: bool = typer.Option(False, "--json"), config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved configuration (defaults < file < RLSTREAM_* env < --set)."""
     from pipeline.config import dump_toml
 
-    cfg = load(config, set_)
+    cfg = load(config, set_, resolve=False)
     print(cfg.model_dump_json(indent=2) if json_out else dump_toml(cfg), end="" if not json_out else "\n")
 
 
@@ -212,26 +176,9 @@ def status(
     set_: SetOpt = None,
 ) -> None:
     """Where is the bottleneck? Lag per stage (records and versions), versions, throughput, DLQ."""
-    from pipeline.status import StatusReader, render
+    from rlstream.status import show
 
-    reader = StatusReader(load(config, set_))
-    try:
-        if json_out:
-            print(json.dumps(reader.snapshot(interval), indent=2, default=str))
-            return
-        out = Console()
-        if not watch:
-            out.print(render(reader.snapshot(interval)))
-            return
-        from rich.live import Live
-
-        with Live(render(reader.snapshot(interval)), console=out, refresh_per_second=1) as live:
-            while True:
-                live.update(render(reader.snapshot(interval)))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        reader.close()
+    show(load(config, set_), json_out, watch, interval)
 
 
 # ---- roles ----------------------------------------------------------------------------------
@@ -247,7 +194,7 @@ def feed(
 ) -> None:
     """Publish prompts to the prompts topic (group_seq 0, 1, 2, ... across epochs); resumes where it stopped."""
     opts = {"source": source, "epochs": epochs, "rate": rate, "replicate": replicate, "limit": limit}
-    cfg = load(config, [*(set_ or []), *(f"feed.{k}={v}" for k, v in opts.items() if v is not None)])
+    cfg = load(config, [*(set_ or []), *(f"feed.{k}={json.dumps(str(v))}" for k, v in opts.items() if v is not None)])
     from producers.feed import run
 
     run(cfg)
@@ -255,16 +202,14 @@ def feed(
 
 @app.command()
 def rollout(
-    engine: str | None = typer.Option(None, "--engine", help="hf | vllm | openai (sets rollout.engine.type)."),
+    engine: str | None = typer.Option(None, "--engine", help="hf | vllm | openai | sim | module:Class."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Run a rollout worker: generate every prompt it is given and publish the trajectories (one group member)."""
-    cfg = load(config, [*([f"rollout.engine.type={engine}"] if engine else []), *(set_ or [])])
-    from pipeline.config import write_resolved
+    cfg = load(config, [*([f"rollout.engine.type={json.dumps(engine)}"] if engine else []), *(set_ or [])])
     from producers.rollout import run
 
-    write_resolved(cfg, f"rollout-{cfg.rollout.worker_id or 'worker'}")
     run(cfg)
 
 
@@ -279,7 +224,7 @@ def reward(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 @app.command()
 def train(
-    engine: str | None = typer.Option(None, "--engine", help="torch | deepspeed (sets trainer.engine.type)."),
+    engine: str | None = typer.Option(None, "--engine", help="torch | deepspeed | sim | module:Class."),
     max_steps: int | None = typer.Option(
         None, "--max-steps", help="Stop at this trainer step (default trainer.max_steps)."
     ),
@@ -287,12 +232,13 @@ def train(
     set_: SetOpt = None,
 ) -> None:
     """Run the trainer: consume scored groups, train, publish versioned weights (resumes from its checkpoint)."""
-    cfg = load(config, [*(set_ or []), *([f"trainer.engine.type={engine}"] if engine else [])])
+    cfg = load(config, [*(set_ or []), *([f"trainer.engine.type={json.dumps(engine)}"] if engine else [])])
     from consumers.trainer.worker import run
 
     run(cfg, max_steps=max_steps)
 
 
+# ---- application ----------------------------------------------------------------------------
 @app.command()
 def demo(
     steps: int = typer.Option(150, "--steps", min=1, help="Trainer steps before the demo stops."),
@@ -314,123 +260,53 @@ def demo(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Run the end-to-end demo on the embedded default (local broker, tiny model, toy task)."""
-    from pipeline.demo import run
+    """Run the end-to-end demo on the embedded default (local broker, tiny model, toy task).
+    ``--config``/``--set`` layer over the demo's settings (a config can replace the task)."""
+    from rlstream.demo import DemoOptions, run
 
-    report = run(
-        load(config, set_),
-        steps,
-        rollout_workers,
-        reward_workers,
-        max_staleness,
-        model_path,
-        engine,
+    opts = DemoOptions(
+        steps=steps,
+        k=max_staleness,
+        rollout_workers=rollout_workers,
+        reward_workers=reward_workers,
+        model_path=model_path,
+        engine=engine,
         live=False if no_live else None,
         keep_broker=keep_broker,
         metrics_port_base=metrics_port_base,
         topic_prefix=topic_prefix,
     )
+    report = run(*sources(config, set_), opts)
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
-# ---- bench ----------------------------------------------------------------------------------
-SizeOpt = Annotated[str, typer.Option("--size", help="tiny (CI smoke test) | full (the documented run).")]
-OutOpt = Annotated[Path | None, typer.Option("--out", help="Run directory (default <run_dir>/bench-<id>).")]
-DocsOpt = Annotated[
-    Path | None, typer.Option("--docs", help="Update the generated tables of this markdown file (docs/benchmarks.md).")
-]
-BootstrapOpt = Annotated[
-    str | None, typer.Option("--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker).")
-]
-ProfileOpt = Annotated[bool, typer.Option("--profile", help="Record py-spy profiles of the worker processes.")]
+BENCHMARKS = ("async", "transport", "weights", "scaling")
 
 
-def _bench(names, size, out, docs, bootstrap, profile, config, set_, engines=None) -> None:
-    if size not in ("tiny", "full"):
-        raise typer.BadParameter("--size must be tiny or full")
-    try:
-        import bench.main  # noqa: F401
-    except ModuleNotFoundError:  # an installed console script: the benchmarks live in the source tree
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import os
-
-    from bench.main import run
-
-    cfg = load(config, set_)
-    path = config or _root.get("config") or os.environ.get("RLSTREAM_CONFIG")
-    sets = [*_root.get("set", []), *(set_ or [])]
-    run(names, cfg, path, sets, size, out, docs, bootstrap, profile, engines, say=console.print)
-
-
-@bench_app.command("async")
-def bench_async(
-    size: SizeOpt = "full",
-    engine: str = typer.Option("sim,hf", "--engine", help="Comma list of sim (load generator) and hf (tiny model)."),
-    out: OutOpt = None,
-    docs: DocsOpt = None,
-    bootstrap: BootstrapOpt = None,
-    profile: ProfileOpt = False,
+@app.command()
+def bench(
+    names: Annotated[list[str], typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all.")],
+    size: str = typer.Option("full", "--size", help="tiny (CI smoke test) | full (the documented run)."),
+    engine: str = typer.Option("sim,hf", "--engine", help="async: comma list of sim (load generator) and hf."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/bench-<id>)."),
+    docs: Path | None = typer.Option(None, "--docs", help="Update the generated tables of this markdown file."),
+    bootstrap: str | None = typer.Option(
+        None, "--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker)."
+    ),
+    profile: bool = typer.Option(False, "--profile", help="Record py-spy profiles of the worker processes."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Async vs sync: samples/s for k in {0, 1, 2, 4}, idle fractions, stale drops, speedup, achieved/ideal."""
-    _bench(["async"], size, out, docs, bootstrap, profile, config, set_, engine.split(","))
+    """Benchmarks (async vs sync, transport, weight notices, scaling); results as JSON + PNG, tables for the docs."""
+    wanted = list(BENCHMARKS) if "all" in names else names
+    unknown = sorted(set(wanted) - set(BENCHMARKS))
+    if unknown or size not in ("tiny", "full"):
+        raise typer.BadParameter(f"unknown benchmark(s) {unknown}" if unknown else "--size must be tiny or full")
+    from rlstream.bench.main import run
 
-
-@bench_app.command("transport")
-def bench_transport(
-    size: SizeOpt = "full",
-    out: OutOpt = None,
-    docs: DocsOpt = None,
-    bootstrap: BootstrapOpt = None,
-    profile: ProfileOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """Transport overhead: trajectories/s and MB/s through reward and trainer vs raw confluent-kafka."""
-    _bench(["transport"], size, out, docs, bootstrap, profile, config, set_)
-
-
-@bench_app.command("weights")
-def bench_weights(
-    size: SizeOpt = "full",
-    out: OutOpt = None,
-    docs: DocsOpt = None,
-    bootstrap: BootstrapOpt = None,
-    profile: ProfileOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """Weight-notice latency: publish -> every rollout worker loaded (p50/p99), load time by checkpoint size."""
-    _bench(["weights"], size, out, docs, bootstrap, profile, config, set_)
-
-
-@bench_app.command("scaling")
-def bench_scaling(
-    size: SizeOpt = "full",
-    out: OutOpt = None,
-    docs: DocsOpt = None,
-    bootstrap: BootstrapOpt = None,
-    profile: ProfileOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """Reward-stage throughput with 1, 2 and 4 workers (trivial reward)."""
-    _bench(["scaling"], size, out, docs, bootstrap, profile, config, set_)
-
-
-@bench_app.command("all")
-def bench_all(
-    size: SizeOpt = "full",
-    out: OutOpt = None,
-    docs: DocsOpt = None,
-    bootstrap: BootstrapOpt = None,
-    profile: ProfileOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """Every benchmark in one run directory (one broker)."""
-    _bench(["async", "transport", "weights", "scaling"], size, out, docs, bootstrap, profile, config, set_)
+    path, sets = sources(config, set_)
+    cfg = load(config, set_, resolve=False)
+    run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""One plug-in seam per kind: a ``Registry`` of names to lazily imported objects.
+
+Every kind of plug-in (rollout engines, train engines, reward functions, environments) has one
+registry in its package's face, e.g. ``producers.engines.ENGINES``. Built-ins are listed as
+``"module:Attr"`` strings, so nothing heavy is imported until one is used (``rlstream --help``
+imports no torch). A user plug-in is named by its dotted path, ``my.module:MyEngine``, anywhere a
+built-in name is accepted, or registered by code with ``REGISTRY.register("name", obj)``.
+
+Every registry builds its objects the same way: ``cls(config, ctx)``: the plug-in's own config
+section and a small context object of its kind. What an object can do is declared as class
+attributes (capabilities), never inferred from its name.
+
+What this is not: a packaging or entry-point system; ``module:Attr`` must be importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.errors import ConfigError
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def is_dotted(ref: str) -> bool:
+    """True for ``package.module:Attr`` references."""
+    return bool(_DOTTED.match(ref))
+
+
+def load_object(ref: str) -> Any:
+    """Import ``package.module:attr`` (``attr`` may be dotted); ConfigError says what failed."""
+    if not is_dotted(ref):
+        raise ConfigError(f"{ref!r} is not a module:attribute reference")
+    mod_name, _, attr = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ConfigError(f"{ref!r}: cannot import {mod_name}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{ref!r}: {mod_name} has no attribute {attr}")
+        obj = getattr(obj, part)
+    return obj
+
+
+class Registry:
+    """Names -> objects of one plug-in kind (``kind`` is used in messages)."""
+
+    def __init__(
+        self, kind: str, builtins: dict[str, str] | None = None, base: type | None = None, hint: str = "module:Class"
+    ):
+        self.kind = kind
+        self.base = base
+        self.hint = hint
+        self._entries: dict[str, Any] = dict(builtins or {})
+
+    def register(self, name: str, obj: Any = None) -> Callable | None:
+        """Register ``obj`` (an object or a ``module:Attr`` string) under ``name``; without ``obj``,
+        a decorator."""
+        if obj is None:
+
+            def deco(o):
+                self.register(name, o)
+                return o
+
+            return deco
+        if name in self._entries and self._entries[name] is not obj:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = obj
+        return None
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or is_dotted(name)
+
+    def get(self, name: str) -> Any:
+        """The object registered as ``name``, or the one ``name`` points at (``module:Attr``)."""
+        if name in self._entries:
+            obj = self._entries[name]
+            if isinstance(obj, str):
+                obj = self._entries[name] = load_object(obj)
+        elif is_dotted(name):
+            obj = load_object(name)
+        else:
+            raise ConfigError(f"unknown {self.kind} {name!r}; built-ins: {', '.join(self.names())}, or {self.hint}")
+        if self.base is not None and not (isinstance(obj, type) and issubclass(obj, self.base)):
+            raise ConfigError(f"{self.kind} {name!r} is not a subclass of {self.base.__module__}.{self.base.__name__}")
+        return obj
+
+    def build(self, name: str, config: Any, ctx: Any) -> Any:
+        """``get(name)(config, ctx)``: the one constructor signature of every plug-in."""
+        return self.get(name)(config, ctx)

@@ -1,0 +1,260 @@
+"""One lifecycle for every role process (feed, rollout, reward, trainer): alive, or loudly dead.
+
+A role subclasses ``Worker`` and fills in ``setup()``, ``run_once()``, ``finish()`` and
+``close()``; ``Worker.run()`` does the rest, the same way for every role:
+
+* **worker id** (``<host>-<pid>`` unless configured), the **resolved-config file** in the run
+  dir, **dead-letter records** (``dead_letter``) and **start-up retries** (``startup_call``: transient
+  Kafka errors retried with backoff until ``liveness.startup_timeout_s``);
+* **signals**: the first SIGTERM/SIGINT sets ``stop``; the role finishes what it holds
+  (``finish``), closes, and exits 0. A second signal exits at once (code 128 + signal);
+* **watchdog**: a thread that expects a beat from every main-loop iteration within
+  ``liveness.watchdog_s`` (or within the limit of a declared long ``section``, e.g. a training
+  step). A role that misses it, or that is still running ``shutdown_timeout_s`` after a stop
+  was asked for, is hung: every thread's stack goes to the log and the process exits with
+  ``EXIT_HUNG``. librdkafka can block forever inside a call whatever timeout it is given (seen in
+  ``send_offsets_to_transaction`` after a broker restart); a restart is safe by design, waiting is not.
+
+Signals and the watchdog are installed only when ``run`` is called on the main thread of a
+process (the command line); in-process uses (tests, benchmarks) pass a ``stop`` event instead.
+
+What this is not: a process supervisor (``rlstream.supervisor`` restarts what exits here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from pipeline.config import write_resolved
+from pipeline.control import now_ms
+from pipeline.kafka import retry_transient
+from pipeline.log import kv
+
+log = logging.getLogger(__name__)
+EXIT_HUNG = 75
+"""Exit code of a role the watchdog declared hung (EX_TEMPFAIL: restart it)."""
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def die_with_parent() -> None:
+    """If started by a supervisor (``RLSTREAM_PARENT_PID``), get SIGTERM when it dies, even by
+    ``kill -9`` (Linux ``PR_SET_PDEATHSIG``), and exit at once if it is already gone."""
+    parent = os.environ.pop("RLSTREAM_PARENT_PID", None)  # not for our own children
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    from pipeline.ports import pid_alive
+
+    if os.getppid() == int(parent):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if not pid_alive(int(parent)):  # the supervisor died before the request took effect
+        log.error("supervisor %s is gone; exiting", parent)
+        os._exit(1)
+
+
+def dead_letter(msg, error_type: str, reason: str, role: str, worker_id: str) -> dict:
+    """The DeadLetter record of consumed message ``msg``: its bytes, where it came from, and why."""
+    return {
+        "source_topic": msg.topic(),
+        "source_partition": msg.partition(),
+        "source_offset": msg.offset(),
+        "key": msg.key(),
+        "value": msg.value(),
+        "headers": {k: (v or b"") for k, v in (msg.headers() or [])},
+        "error_type": error_type,
+        "reason": reason,
+        "role": role,
+        "worker_id": worker_id,
+        "failed_at_ms": now_ms(),
+    }
+
+
+class Watchdog:
+    """Kills the process, loudly, when its main loop stops beating or a stop takes too long."""
+
+    def __init__(self, name: str, loop_s: float, shutdown_s: float):
+        self.name, self.loop_s, self.shutdown_s = name, loop_s, shutdown_s
+        self._deadline = time.monotonic() + loop_s
+        self._what = "main loop"
+        self._stop_deadline: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._what, self._deadline = "main loop", time.monotonic() + self.loop_s
+
+    @contextlib.contextmanager
+    def section(self, what: str, seconds: float):
+        """Allow ``seconds`` for a declared long operation (then the loop's own limit again)."""
+        prev = self._what, self._deadline
+        self._what, self._deadline = what, time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._what, self._deadline = prev[0], max(prev[1], time.monotonic() + self.loop_s)
+
+    def stopping(self) -> None:
+        """A stop was asked for: the process must be gone within ``shutdown_s``."""
+        if self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + self.shutdown_s
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.5):
+            now = time.monotonic()
+            if self._stop_deadline is not None and now > self._stop_deadline:
+                self._die(f"still running {self.shutdown_s:.0f} s after it was asked to stop (in {self._what})")
+            if now > self._deadline:
+                self._die(f"no progress in {self._what} within its limit")
+
+    def _die(self, why: str) -> None:
+        log.critical("%s is hung: %s; dumping every thread's stack and exiting %s", self.name, why, kv(code=EXIT_HUNG))
+        for h in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        os._exit(EXIT_HUNG)
+
+
+class Worker:
+    """Base of every role process. Subclasses set ``role`` and implement the hooks."""
+
+    role = "worker"
+    unit = "iteration"
+    """What a stop lets finish, for the log line ("batch", "step", ...)."""
+    stops_itself = False
+    """True for roles whose ``run_once`` reads ``stop_event`` itself and returns False (e.g. a
+    trainer whose ranks must agree on the step to stop at); else the loop checks it."""
+
+    def __init__(self, cfg, worker_id: str | None = None):
+        self.cfg = cfg
+        self.liveness = cfg.liveness
+        self.worker_id = worker_id or default_worker_id()
+        self.stop_event = threading.Event()
+        self.watchdog: Watchdog | None = None
+        self.failed = False
+        """Set when the run ends with an error (``close`` may then skip what cannot work)."""
+        self._signals = 0
+        self._started = False
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Connect, load models, restore state (runs under the ``slow_op_s`` limit)."""
+
+    def run_once(self) -> bool:
+        """One iteration of the main loop; False when the role is done."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After a stop: hand over cleanly what is held (drain, flush, commit)."""
+
+    def close(self) -> None:
+        """Release every client and thread; called once, also after an error."""
+
+    def result(self) -> Any:
+        """What ``run`` returns."""
+        return None
+
+    # -- the lifecycle -------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the main loop to finish (thread-safe)."""
+        self.stop_event.set()
+        if self.watchdog is not None:
+            self.watchdog.stopping()
+
+    def run(self, stop: threading.Event | None = None) -> Any:
+        """setup, ``run_once`` until done or stopped, ``finish``, ``close``. On the main thread
+        this also installs the signal handlers and the watchdog."""
+        if stop is not None:
+            self.stop_event = stop
+        supervised = threading.current_thread() is threading.main_thread()
+        restore = self._install_signals() if supervised else (lambda: None)
+        if supervised:
+            self.watchdog = Watchdog(
+                f"{self.role} {self.worker_id}", self.liveness.watchdog_s, self.liveness.shutdown_timeout_s
+            ).start()
+        try:
+            self.start()
+            while self.stops_itself or not self.stop_event.is_set():
+                self.beat()
+                if not self.run_once():
+                    break
+            with self.section("finish", self.liveness.shutdown_timeout_s):
+                self.finish()
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            try:
+                with self.section("close", self.liveness.shutdown_timeout_s):
+                    self.close()
+            finally:
+                restore()
+                if self.watchdog is not None:
+                    self.watchdog.close()
+        return self.result()
+
+    def start(self) -> None:
+        """Run ``setup`` once (``run`` calls it; tests may call it first)."""
+        if not self._started:
+            self._started = True
+            with self.section("setup", self.liveness.slow_op_s):
+                self.setup()
+
+    def beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+    def section(self, what: str, seconds: float | None = None):
+        """Context manager: a declared long operation (``liveness.slow_op_s`` unless given)."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.section(what, seconds or self.liveness.slow_op_s)
+
+    def _install_signals(self):
+        def on_signal(signum, _frame):
+            self._signals += 1
+            name = signal.Signals(signum).name
+            if self._signals > 1:
+                log.warning("second %s: exiting now %s", name, kv(role=self.role, worker=self.worker_id))
+                os._exit(128 + signum)
+            log.info("%s: stopping after the current %s %s", name, self.unit, kv(role=self.role, worker=self.worker_id))
+            self.stop()
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+    # -- shared helpers ------------------------------------------------------------------------
+    def startup_call(self, fn, what: str):
+        """``fn()``, retrying transient Kafka errors until ``liveness.startup_timeout_s``."""
+        return retry_transient(fn, self.liveness.startup_timeout_s, what)
+
+    def write_resolved(self, name: str | None = None):
+        """The resolved config, written to ``<run_dir>/<name>.resolved.toml``."""
+        return write_resolved(self.cfg, self.cfg.run_dir, name or f"{self.role}-{self.worker_id}")
+
+    def dead_letter(self, msg, error_type: str, reason: str) -> dict:
+        return dead_letter(msg, error_type, reason, self.role, self.worker_id)

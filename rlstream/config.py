@@ -1,0 +1,106 @@
+"""The root configuration of rlstream: the shared sections of the core plus every role's section,
+and the local dev broker's settings. Loading rules are ``pipeline.config``'s: defaults < TOML
+file (``--config`` or ``RLSTREAM_CONFIG``) < ``RLSTREAM_SECTION__KEY`` environment < ``--set``.
+
+This is the application layer: it may import the roles' config sections; no role imports it.
+Roles receive the resolved root ``Config`` and read ``kafka``, ``topics``, ``rl``, ``liveness``,
+``model``, ``store`` and their own section.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from consumers.reward.config import RewardConfig
+from consumers.trainer.config import TrainerConfig
+from pipeline.config import (
+    DEFAULT_HOME,
+    KafkaConfig,
+    LivenessConfig,
+    RLConfig,
+    StrictModel,
+    TopicsConfig,
+    load_tree,
+    validate,
+)
+from pipeline.kafka import DEFAULT_BOOTSTRAP
+from pipeline.models import ModelConfig, TinyModelConfig
+from producers.config import FeedConfig, RolloutConfig
+
+
+class BrokerConfig(StrictModel):
+    """The local KRaft broker of ``rlstream broker`` (development and tests; no Docker needed)."""
+
+    port: int = Field(9092, ge=0, le=65535)
+    """Client port of the local broker; 0 picks a free one."""
+    host: str = "127.0.0.1"
+    """Address the local broker listens on."""
+    data_dir: Path = DEFAULT_HOME / "broker"
+    """Holds the log dirs, server.properties, the pidfile and broker.log."""
+    heap_mb: int = Field(768, ge=256, le=65536)
+    """JVM heap of the local broker."""
+    start_timeout_s: float = Field(120.0, gt=0)
+    """How long `broker start` waits for the broker to accept connections."""
+    properties: dict[str, str] = Field(default_factory=dict)
+    """Extra server.properties entries, overriding the built-in ones."""
+
+
+class Config(StrictModel):
+    kafka: KafkaConfig = KafkaConfig()
+    topics: TopicsConfig = TopicsConfig()
+    broker: BrokerConfig = BrokerConfig()
+    rl: RLConfig = RLConfig()
+    liveness: LivenessConfig = LivenessConfig()
+    """Watchdog, bounded shutdown, start-up retries and outage riding of every role."""
+    model: ModelConfig = TinyModelConfig()
+    """The policy: ``type = "tiny"`` (random init, built in code) or ``type = "pretrained"``."""
+    checkpoint_store: str = ""
+    """fsspec URI where the trainer publishes weights; empty: ``<run_dir>/checkpoints``."""
+    feed: FeedConfig = FeedConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Standard-library logging level of every role."""
+    run_dir: Path = Path("runs")
+    """Where roles write resolved configs, reports and checkpoints by default."""
+
+    @property
+    def store(self) -> str:
+        return self.checkpoint_store or str(Path(self.run_dir).resolve() / "checkpoints")
+
+    @model_validator(mode="after")
+    def _cross_check(self):
+        broker_max = int(self.broker.properties.get("message.max.bytes", 16 * 1024 * 1024))
+        for role, spec in self.topics.specs().items():
+            if spec.max_message_bytes > broker_max:
+                raise ValueError(
+                    f"topics.{role}.max_message_bytes={spec.max_message_bytes} exceeds the broker's "
+                    f"message.max.bytes={broker_max}"
+                )
+        return self
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Config:
+    """Resolve the configuration from file, environment and overrides. Raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    return validate(Config, load_tree(path or environ.get("RLSTREAM_CONFIG"), overrides, environ))
+
+
+def resolve_bootstrap(cfg: Config) -> str:
+    """Fix ``kafka.bootstrap_servers`` once, at start-up: the configured address, else the running
+    local broker's recorded one, else the default (the docker-compose broker)."""
+    if not cfg.kafka.bootstrap_servers:
+        from rlstream.broker import read_state
+
+        state = read_state(Path(cfg.broker.data_dir))
+        cfg.kafka.bootstrap_servers = (state or {}).get("bootstrap") or DEFAULT_BOOTSTRAP
+    return cfg.kafka.bootstrap_servers

@@ -1,0 +1,244 @@
+"""Run a whole pipeline on one machine: the feed, N rollout workers, M reward workers and the trainer
+as supervised ``rlstream`` processes, with a live view, restarts, and a report at the end.
+
+Steps (each a method of ``Launcher``): ``prepare`` (topics, the model built once, the resolved
+config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
+refresh lags, restart dead or hung roles, stop when the trainer finishes) → ``stop_roles`` →
+``write_report``. A role counts as hung when its process is alive but has published no
+MetricEvent for ``hang_after_s`` after its first one (its own watchdog normally catches hangs
+first and exits, see ``pipeline.worker``); it is SIGKILLed and restarted like a dead one.
+
+This is the application layer behind ``rlstream demo`` (and job runs). It is not a cluster
+launcher: for several machines run the roles yourself (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import codec
+from pipeline.admin import Admin, ensure_topics
+from pipeline.config import dump_toml
+from pipeline.errors import DecodeError
+from pipeline.kafka import Consumer, TopicPartition, client_conf
+from pipeline.log import kv
+from rlstream.progress import Progress, render
+from rlstream.report import plot_report, write_report
+from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
+
+log = logging.getLogger(__name__)
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class RoleSpec:
+    name: str
+    """Process name (log file ``logs/<name>.log``); also the worker id of rollout/reward workers."""
+    command: str
+    """rlstream subcommand: feed | rollout | reward | train."""
+    sets: list[str] = field(default_factory=list)
+    may_exit: bool = False
+    """The role finishes by itself (feed, trainer): exit 0 is not a death."""
+    metrics_port: int = 0
+
+
+def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_base: int = 0) -> list[RoleSpec]:
+    """feed, trainer, reward-i, rollout-i; with ``metrics_port_base`` Prometheus ports rollout-i on
+    base+i, reward-i on base+10+i, trainer on base+20."""
+
+    def port(offset: int) -> int:
+        return metrics_port_base + offset if metrics_port_base else 0
+
+    roles = [
+        RoleSpec("feed", "feed", may_exit=True),
+        RoleSpec("trainer", "train", may_exit=True, metrics_port=port(20)),
+    ]
+    roles += [
+        RoleSpec(f"reward-{i}", "reward", [f"reward.worker_id=reward-{i}"], metrics_port=port(10 + i))
+        for i in range(reward_workers)
+    ]
+    roles += [
+        RoleSpec(f"rollout-{i}", "rollout", [f"rollout.worker_id=rollout-{i}"], metrics_port=port(i))
+        for i in range(rollout_workers)
+    ]
+    return roles
+
+
+class Launcher:
+    def __init__(self, cfg, run_dir: Path, roles: list[RoleSpec], *, title: str, live: bool, console):
+        self.cfg, self.run_dir, self.roles = cfg, Path(run_dir), roles
+        self.title, self.live, self.console = title, live, console
+        self.progress = Progress()
+        self.lags: dict[str, int] = {}
+        self.report: dict = {}
+        self.t_start = time.monotonic()
+        self.hang_after_s = 2 * cfg.liveness.watchdog_s + 30
+        self._worker_of = {self._worker_id(r): r.name for r in roles}
+
+    def _worker_id(self, r: RoleSpec) -> str:
+        if r.command == "train":
+            return self.cfg.trainer.trainer_id
+        return r.name
+
+    # -- steps -----------------------------------------------------------------------------------
+    def prepare(self) -> Path:
+        """Topics, the model (built once, so workers do not all build it at once), the config file."""
+        from pipeline.models import materialize
+
+        ensure_topics(self.cfg)
+        materialize(self.cfg.model)
+        path = self.run_dir / "config.toml"
+        path.write_text(dump_toml(self.cfg))
+        return path
+
+    def start_roles(self, sup: Supervisor, config_path: Path) -> None:
+        prom = {"rollout": "rollout", "reward": "reward", "train": "trainer"}
+        for r in self.roles:
+            sets = [*r.sets, *([f"{prom[r.command]}.prometheus_port={r.metrics_port}"] if r.metrics_port else [])]
+            args = [r.command, "--config", str(config_path), *(x for s in sets for x in ("--set", s))]
+            sup.start(r.name, args, may_exit=r.may_exit)
+
+    def run(self) -> dict:
+        """The whole run; returns the report (``status`` is ``ok``, ``interrupted`` or ``failed: ...``)."""
+        config_path = self.prepare()
+        self.console.print(
+            f"run dir {self.run_dir}\ntopics  {self.cfg.topics.prefix}*  on {self.cfg.kafka.bootstrap_servers}"
+        )
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("RLSTREAM_") or k in ("RLSTREAM_HOME", "RLSTREAM_CACHE")
+        }
+        status, codes = "ok", {}
+        metrics = Consumer(client_conf(self.cfg, "launcher", kind="consumer"))
+        metrics.assign([TopicPartition(self.cfg.topics.name("metrics"), 0, 0)])
+        admin = Admin(client_conf(self.cfg, "launcher"), self.cfg.kafka.request_timeout_s)
+        sup = Supervisor(self.run_dir / "logs", {**env, **CHILD_ENV}, RestartPolicy())
+        try:
+            self.start_roles(sup, config_path)
+            status = self.watch(sup, metrics, admin)
+        finally:
+            codes = sup.stop_all(timeout=self.cfg.liveness.shutdown_timeout_s + 10)
+            self._drain_metrics(metrics, 1.0)
+            metrics.close()
+            admin.close()
+        self.report.update(status=status, exit_codes=codes, restarts=self._restarts, restarts_total=sup.restarts_total)
+        return self.report
+
+    def watch(self, sup: Supervisor, metrics: Consumer, admin: Admin) -> str:
+        view = None
+        if self.live:
+            from rich.live import Live
+
+            view = Live(self._render(), console=self.console, refresh_per_second=2)
+            view.start()
+        last_lag = last_print = 0.0
+        self._restarts: dict[str, int] = {}
+        try:
+            while True:
+                self._drain_metrics(metrics, 0.5)
+                finished = sup.check()
+                self._check_hangs(sup)
+                self._restarts = sup.restarts()
+                now = time.monotonic()
+                if now - last_lag > 3:
+                    self._refresh_lags(admin)
+                    last_lag = now
+                if view:
+                    view.update(self._render())
+                elif now - last_print > 10:
+                    self.console.print(self._line(), highlight=False)
+                    last_print = now
+                if "trainer" in finished:
+                    return "ok"
+        except ChildDied as exc:
+            self.console.print(f"[bold red]{exc.name} died[/] (exit {exc.code}); stopping. Its log:\n{exc.log_tail}")
+            return f"failed: {exc.name} exited with code {exc.code}" + (
+                " (crash loop)" if "restarts" in str(exc) else ""
+            )
+        except KeyboardInterrupt:
+            self.console.print("interrupted; stopping everything")
+            return "interrupted"
+        finally:
+            if view:
+                view.stop()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _drain_metrics(self, metrics: Consumer, timeout: float) -> None:
+        for m in metrics.consume(1000, timeout):
+            try:
+                ev = codec.decode_as(m.value(), "MetricEvent")
+            except DecodeError:  # a foreign record on the metrics topic must not stop the run
+                continue
+            self.progress.add(ev)
+
+    def _check_hangs(self, sup: Supervisor) -> None:
+        """A live role whose MetricEvents stopped (after this process's first) is hung: kill, restart."""
+        now = time.time()
+        for key, ev in list(self.progress.workers.items()):
+            name = self._worker_of.get(key.split("/", 1)[1])
+            if name is None or not sup.alive(name):
+                continue
+            started = now - (time.monotonic() - sup.children[name].started_at)
+            last = ev["timestamp_ms"] / 1000
+            if last > started and now - last > self.hang_after_s:  # not while (re)starting: setup may be long
+                sup.declare_hung(name, f"no metrics for {now - last:.0f} s")
+
+    def _refresh_lags(self, admin: Admin) -> None:
+        cfg = self.cfg
+        try:
+            self.lags = {
+                s: sum(admin.lag(g, cfg.topics.name(t)).values())
+                for s, g, t in (
+                    ("rollout", cfg.rollout.group_id, "prompts"),
+                    ("reward", cfg.reward.group_id, "rollouts"),
+                    ("trainer", cfg.trainer.group_id, "scored"),
+                )
+            }
+        except Exception as exc:  # a display must survive a broker hiccup; the roles themselves are supervised
+            log.warning("lag unavailable this round %s", kv(error=exc))
+
+    def _render(self):
+        elapsed = time.monotonic() - self.t_start
+        return render(self.progress, self.lags, self.cfg.trainer.max_steps, self.cfg.rl.max_staleness, elapsed,
+                      self.title, getattr(self, "_restarts", {}))  # fmt: skip
+
+    def _line(self) -> str:
+        p, last = self.progress, (self.progress.steps[-1] if self.progress.steps else {})
+        return (
+            f"[{self.title}] {time.monotonic() - self.t_start:5.0f}s step {last.get('step', 0)}/{self.cfg.trainer.max_steps} "
+            f"reward(last10)={p.recent_reward() or 0:.3f} samples/s={p.throughput():.1f} lag={self.lags} "
+            f"restarts={getattr(self, '_restarts', {}) or 0}"
+        )
+
+    def finish_report(self, extra: dict) -> dict:
+        """Add the step log figures, write report.json and the plots; print the summary line."""
+        steps_log = self.progress.steps
+        first = [s["reward_mean"] for s in steps_log[:10]]
+        last = [s["reward_mean"] for s in steps_log[-10:]]
+        r = self.report
+        r.update(extra)
+        r.update(
+            {
+                "wall_time_s": round(time.monotonic() - self.t_start, 1),
+                "steps_completed": steps_log[-1]["step"] if steps_log else 0,
+                "reward_first10_mean": sum(first) / len(first) if first else None,
+                "reward_last10_mean": sum(last) / len(last) if last else None,
+                "reward_curve": [[s["step"], round(s["reward_mean"], 4)] for s in steps_log],
+                "staleness_histogram": self.progress.staleness(),
+                "steps": steps_log,
+            }
+        )
+        write_report(self.run_dir, r)
+        plots = plot_report(self.run_dir, r)
+        self.console.print(
+            f"[bold]{r['status']}[/]: {r['steps_completed']} steps in {r['wall_time_s']} s; reward "
+            f"{r['reward_first10_mean'] or 0:.3f} (first 10 steps) -> {r['reward_last10_mean'] or 0:.3f} "
+            f"(last 10); restarts {r.get('restarts_total', 0)}; report {self.run_dir / 'report.json'}; "
+            f"plots {', '.join(p.name for p in plots)}"
+        )
+        return r

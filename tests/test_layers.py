@@ -1,0 +1,120 @@
+"""The layering of docs/architecture.md, checked on every import statement of the package code
+(module level and inside functions): schemas -> core (pipeline) -> roles (producers,
+consumers.reward, consumers.trainer) -> application (rlstream). Nothing imports upward, roles never
+import each other, only the Kafka wrapper touches confluent-kafka, and nobody edits sys.path."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = {  # package -> our packages it may import
+    "schemas": {"schemas"},
+    "pipeline": {"schemas", "pipeline"},
+    "producers": {"schemas", "pipeline", "producers"},
+    "consumers": set(),  # consumers/__init__.py: a namespace only
+    "consumers.reward": {"schemas", "pipeline", "consumers.reward"},
+    "consumers.trainer": {"schemas", "pipeline", "consumers.trainer"},
+    "rlstream": {"schemas", "pipeline", "producers", "consumers.reward", "consumers.trainer", "rlstream"},
+}
+OURS = ("schemas", "pipeline", "producers", "consumers", "rlstream", "bench", "tests")
+KAFKA_WRAPPER = {"pipeline/kafka.py", "pipeline/admin.py"}
+RAW_BASELINES = {"rlstream/bench/raw_kafka.py", "rlstream/bench/transport.py"}
+"""Benchmarks whose point is to measure raw confluent-kafka next to rlstream's wrapper."""
+
+
+def package_of(rel: str) -> str:
+    parts = Path(rel).with_suffix("").parts
+    if parts[0] == "consumers":
+        return "consumers" if parts[1] == "__init__" else ".".join(parts[:2])
+    return parts[0]
+
+
+def modules() -> list[Path]:
+    out = []
+    for top in ("schemas", "pipeline", "producers", "consumers", "rlstream"):
+        out += sorted((REPO / top).rglob("*.py"))
+    return out
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def owner(module: str) -> str | None:
+    """Which of our packages ``module`` belongs to (None: a third-party or stdlib module)."""
+    if module.split(".")[0] not in OURS:
+        return None
+    if module.startswith("consumers."):
+        return ".".join(module.split(".")[:2])
+    return module.split(".")[0]
+
+
+def test_every_import_reads_bottom_up():
+    bad = []
+    for path in modules():
+        rel = str(path.relative_to(REPO))
+        allowed = LAYERS[package_of(rel)]
+        for line, mod in imports(path):
+            pkg = owner(mod)
+            if pkg is not None and pkg not in allowed:
+                bad.append(f"{rel}:{line} imports {mod} ({package_of(rel)} may import {sorted(allowed)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_kafka_wrapper_uses_the_raw_client():
+    bad = []
+    for path in modules():
+        rel = str(path.relative_to(REPO))
+        if rel in KAFKA_WRAPPER | RAW_BASELINES:
+            continue
+        bad += [f"{rel}:{line} imports {mod}" for line, mod in imports(path) if mod.split(".")[0] == "confluent_kafka"]
+        tree = ast.parse(path.read_text())
+        bad += [
+            f"{rel}:{n.lineno} reaches into a wrapper's private client (.{n.attr})"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in ("_client", "_c") and not _is_self(n.value)
+        ]
+    assert not bad, "\n".join(bad)
+
+
+def _is_self(node) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def test_nobody_edits_sys_path():
+    bad = []
+    for path in modules():
+        tree = ast.parse(path.read_text())
+        for n in ast.walk(tree):
+            if (
+                isinstance(n, ast.Attribute)
+                and n.attr == "path"
+                and isinstance(n.value, ast.Name)
+                and n.value.id == "sys"
+            ):
+                bad.append(f"{path.relative_to(REPO)}:{n.lineno}")
+    assert not bad, "sys.path used in: " + ", ".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [("rlstream.cli", ("torch", "transformers", "vllm", "deepspeed")), ("pipeline.kafka", ("torch", "transformers"))],
+)
+def test_light_modules_import_no_heavy_library(module, forbidden):
+    """``rlstream --help`` and the Kafka paths stay fast: plug-ins are imported lazily."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(sorted(m for m in {forbidden!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"{module} imported {out.stdout.strip()}"
