@@ -35,15 +35,15 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pipeline.control import may_admit, now_ms
-from pipeline.errors import ConsumeError
-from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf
+from pipeline.errors import ConsumeError, DecodeError
+from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
+from pipeline.records import InvalidRecord, check_prompt
 from pipeline.worker import Worker
 from producers.engines import EngineContext, GenOutput, build_engine
 from producers.envs import EnvContext, env_factory
 from producers.ledger import OffsetLedger
-from producers.prompts import BadPrompt, parse_prompt
 from producers.sample import Sample
 from producers.weights import WeightSync
 
@@ -187,10 +187,10 @@ class RolloutWorker(Worker):
         if self.ledger.rewound(tp, msg.offset()):
             self._restart_partition(tp, msg.offset())
         try:
-            prompt = parse_prompt(msg, self._tokenize, self.rc.max_prompt_tokens, self.max_len)
-        except BadPrompt as exc:
+            prompt = self._parse(msg)
+        except DecodeError as exc:  # undecodable, wrong schema, or a prompt that makes no sense
             gen = self.ledger.add(tp, msg.offset(), 1)
-            self._dead_letter(msg, exc.error_type, exc.reason, gen)
+            self._dead_letter(msg, exc.error_type, str(exc), gen)
             return
         gen = self.ledger.add(tp, msg.offset(), prompt["sample_count"])
         q = self.held.get(tp)
@@ -200,6 +200,20 @@ class RolloutWorker(Worker):
             log.debug("holding %s", kv(group_seq=prompt["group_seq"], version=self.engine.version, k=self.k))
             return
         self._admit(tp, msg.offset(), prompt, gen)
+
+    def _parse(self, msg) -> dict:
+        """The decoded, checked Prompt of ``msg`` with its token ids in ``_tokens``."""
+        prompt = decode_message(msg, "Prompt")
+        try:
+            check_prompt(prompt)
+        except InvalidRecord as exc:
+            raise exc.located(msg.topic(), msg.partition(), msg.offset()) from exc
+        toks = self._tokenize(prompt["text"])
+        limit = min(self.rc.max_prompt_tokens, self.max_len - 1)
+        if len(toks) > limit:
+            raise InvalidRecord(f"prompt has {len(toks)} tokens, more than the limit {limit}", "too_long")
+        prompt["_tokens"] = toks
+        return prompt
 
     def _restart_partition(self, tp, offset: int) -> None:
         """The partition is re-delivered from an earlier offset: forget its old state (a new ledger

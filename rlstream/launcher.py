@@ -58,7 +58,14 @@ def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_
         RoleSpec("trainer", "train", may_exit=True, metrics_port=port(20)),
     ]
     roles += [
-        RoleSpec(f"reward-{i}", "reward", [f"reward.worker_id=reward-{i}"], metrics_port=port(10 + i))
+        # a stable worker id (hence transactional id) and static membership: a restarted reward worker
+        # fences its dead predecessor's transaction at once and gets its partitions back without a rebalance
+        RoleSpec(
+            f"reward-{i}",
+            "reward",
+            [f"reward.worker_id=reward-{i}", f"reward.group_instance_id=reward-{i}"],
+            metrics_port=port(10 + i),
+        )
         for i in range(reward_workers)
     ]
     roles += [

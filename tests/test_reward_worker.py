@@ -54,7 +54,7 @@ def running(worker: RewardWorker):
 
 def traj(i: int, text: str, group: str = "g1") -> dict:
     t = make_trajectory(i, 4)
-    t.update(trajectory_id=f"{group}/{i}", group_id=group, sample_index=i, response_text=text)
+    t.update(trajectory_id=f"{group}/{i}", group_id=group, sample_index=i, group_size=max(4, i + 1), response_text=text)
     return t
 
 

@@ -246,7 +246,7 @@ def test_bad_late_and_duplicate_records_are_refused_and_one_trainer_owns_the_dir
     bad["trajectory"]["logprobs"] = bad["trajectory"]["logprobs"][:-4]  # one logprob short
     good = [scored("ok", i, 2, 0, float(i)) for i in range(2)]
     sp = ScoredProducer(cfg)
-    sp.send([bad, good[0], good[0], good[1], scored("ok", 2, 2, 0, 1.0)])  # duplicate, then a late third
+    sp.send([bad, good[0], good[0], good[1], good[1]])  # a duplicate, then a late copy (its group closed)
     sp.p.begin_transaction()
     sp.p.produce(cfg.topics.name("scored"), b"not avro at all", key=b"junk")
     sp.p.commit_transaction()

@@ -28,6 +28,7 @@ from pipeline.control import now_ms
 from pipeline.errors import DecodeError, KafkaClientError, TopicError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message, next_offsets
 from pipeline.log import kv
+from pipeline.records import check_trajectory
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class RewardWorker(Worker):
         self.pool = self.producer = self.consumer = self.metrics = self._metrics_producer = None
         rc = self.rc  # the longest one batch may take to score: every call timing out, one pool slot at a time
         self._scoring_s = rc.timeout_s * math.ceil(rc.max_batch_size / rc.pool_size) + rc.max_batch_ms / 1000 + 30
+        # A transaction call that overruns its own timeout by this much is wedged (librdkafka #5456:
+        # send_offsets_to_transaction can wait forever after a broker restart): the watchdog ends it.
+        self._txn_call_s = cfg.kafka.request_timeout_s + 15
 
     def _kafka_settings(self, base: dict, settings: dict, user: dict) -> dict:
         """Role settings under the user's explicit ``kafka.*`` extras, which win."""
@@ -229,8 +233,10 @@ class RewardWorker(Worker):
         good, bad = [], []  # (msg, trajectory) / (msg, error_type, reason, latency_ms)
         for m in batch:
             try:
-                good.append((m, decode_message(m, "Trajectory")))
-            except DecodeError as exc:
+                traj = decode_message(m, "Trajectory")
+                check_trajectory(traj)  # versions, finite logprobs, lengths, sizes
+                good.append((m, traj))
+            except DecodeError as exc:  # undecodable, wrong schema, or nonsense (InvalidRecord)
                 bad.append((m, exc.error_type, str(exc), 0.0))
         with self.section("scoring", self._scoring_s):
             outcomes = self.pool.score([t for _, t in good])
@@ -257,9 +263,10 @@ class RewardWorker(Worker):
                 self._produce_dead(m, error_type, reason)
                 dead.append((error_type, ms))
             self._txn_checkpoint(batch)
-            self.producer.send_offsets_to_transaction(
-                next_offsets(batch), self.consumer, self.cfg.kafka.request_timeout_s
-            )
+            with self.section("send_offsets_to_transaction", self._txn_call_s):
+                self.producer.send_offsets_to_transaction(
+                    next_offsets(batch), self.consumer, self.cfg.kafka.request_timeout_s
+                )
             self._commit()
         except KafkaClientError as exc:
             if exc.fatal:
@@ -279,7 +286,8 @@ class RewardWorker(Worker):
     def _commit(self) -> None:
         for attempt in range(10):
             try:
-                self.producer.commit_transaction(self.cfg.kafka.request_timeout_s)
+                with self.section("commit_transaction", self._txn_call_s):
+                    self.producer.commit_transaction(self.cfg.kafka.request_timeout_s)
                 return
             except KafkaClientError as exc:
                 ke = exc.kafka_error
@@ -288,7 +296,17 @@ class RewardWorker(Worker):
                 log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
 
     def _abort_and_rewind(self, batch: list, exc: Exception) -> None:
-        self.producer.abort_transaction(self.cfg.kafka.request_timeout_s)
+        deadline = time.monotonic() + self.liveness.outage_s
+        while True:  # a broker outage can make the abort itself fail for a while: ride it out
+            try:
+                with self.section("abort_transaction", self._txn_call_s):
+                    self.producer.abort_transaction(self.cfg.kafka.request_timeout_s)
+                break
+            except KafkaClientError as abort_exc:
+                if abort_exc.fatal or not abort_exc.retriable or time.monotonic() > deadline:
+                    raise
+                log.warning("abort failed, retrying %s", kv(error=abort_exc))
+                time.sleep(1.0)
         self._in_txn = False
         self.metrics.aborted()
         first: dict[tuple[str, int], int] = {}

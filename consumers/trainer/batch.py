@@ -14,9 +14,8 @@ import random
 from dataclasses import dataclass, field
 
 from consumers.trainer import advantages
-from pipeline.codec import unpack_f32, unpack_i32
 from pipeline.control import is_stale
-from pipeline.errors import DecodeError
+from pipeline.records import check_scored
 
 
 @dataclass
@@ -39,19 +38,15 @@ class Sample:
     advantage: float = 0.0
 
 
-def sample_from_record(rec: dict, partition: int, offset: int) -> Sample:
-    """Decode a ScoredTrajectory record; DecodeError(error_type="invalid") if it is inconsistent."""
+def sample_from_record(
+    rec: dict, partition: int, offset: int, vocab_size: int | None = None, max_len: int | None = None
+) -> Sample:
+    """A ScoredTrajectory record as a Sample; ``InvalidRecord`` (a DecodeError) if it cannot train:
+    inconsistent arrays or versions, non-finite numbers, token ids outside ``vocab_size``, longer
+    than ``max_len`` (pipeline.records)."""
+    prompt, response, logprobs, mask = check_scored(rec, vocab_size, max_len)
     t = rec["trajectory"]
-    prompt, response = list(unpack_i32(t["prompt_tokens"])), list(unpack_i32(t["response_tokens"]))
-    logprobs = list(unpack_f32(t["logprobs"]))
-    mask = list(t["loss_mask"]) if t["loss_mask"] else [1] * len(response)
     tid = t["trajectory_id"]
-    if len(logprobs) != len(response):
-        raise DecodeError(f"{tid}: {len(logprobs)} logprobs for {len(response)} response tokens", error_type="invalid")
-    if len(mask) != len(response) or any(m not in (0, 1) for m in mask):
-        raise DecodeError(f"{tid}: loss_mask must hold one 0/1 per response token", error_type="invalid")
-    if t["group_size"] < 1:
-        raise DecodeError(f"{tid}: group_size {t['group_size']} < 1", error_type="invalid")
     return Sample(
         trajectory_id=tid,
         group_id=t["group_id"],

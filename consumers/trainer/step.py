@@ -13,8 +13,9 @@ from consumers.trainer.batch import sample_weights, shard_micro_batches, split_m
 from consumers.trainer.engines.base import all_reduce_sums, token_logprobs
 
 
-def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> list[list]:
-    """Per minibatch, this rank's micro-batches, with ``prox_logp``/``ref_logp`` filled when needed."""
+def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> tuple[list[list], list[list]]:
+    """The minibatches (every rank's samples) and, per minibatch, this rank's micro-batches with
+    ``prox_logp``/``ref_logp`` filled when needed."""
     tc = trainer_cfg
     minis = [m for m in split_minibatches(samples, tc.minibatches, tc.seed * 1_000_003 + step) if m]
     plans = [
@@ -34,20 +35,23 @@ def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> list[list]:
             for mbs in plans:
                 for mb in mbs:
                     mb.ref_logp = token_logprobs(ref, mb.to(engine.device)).cpu()
-    return plans
+    return minis, plans
 
 
 def train_samples(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, on_minibatch=None) -> dict:
     """Run the optimizer steps of one trainer step. Returns loss (mean over minibatches of the
-    summed-over-ranks loss), grad_norm and lr of the last update, counts, and token-mean stats.
+    summed-over-ranks loss), grad_norm and lr of the last update, counts, token-mean stats, and
+    ``skipped_ids``: the trajectory ids of minibatches whose update was skipped on some rank (a
+    non-finite gradient): they contributed nothing and must not be reported as used.
     ``on_minibatch(micro_batches)`` is called before each update (tests inspect the inputs)."""
     out = {"loss": 0.0, "grad_norm": 0.0, "lr": engine.lr, "optimizer_steps": 0, "skipped": 0, "stats": {}}
+    out["skipped_ids"] = []
     if not samples:  # nothing to learn from: no update (Adam's momentum would still move weights)
         return out
-    plans = prepare(engine, samples, trainer_cfg, step, ref)
+    minis, plans = prepare(engine, samples, trainer_cfg, step, ref)
     world = engine.world_size
     stats: dict[str, list[float]] = {}
-    for mbs in plans:
+    for mini, mbs in zip(minis, plans, strict=True):
         if on_minibatch is not None:
             on_minibatch(mbs)
         res = engine.train_step(mbs, loss_fn)
@@ -55,7 +59,9 @@ def train_samples(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, on
         flat = [res.loss, float(res.skipped)] + [x for n in names for x in res.stats[n]]
         tot = all_reduce_sums(flat, world, engine.device if world > 1 else "cpu")
         out["loss"] += tot[0] / len(plans)
-        out["skipped"] += int(tot[1] > 0)
+        if tot[1] > 0:
+            out["skipped"] += 1
+            out["skipped_ids"] += [s.trajectory_id for s in mini]
         out["grad_norm"] = res.grad_norm
         out["lr"] = res.lr
         out["optimizer_steps"] += 1

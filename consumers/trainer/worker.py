@@ -74,6 +74,9 @@ class Trainer(Worker):
         model_dir = materialize(cfg.model)
         self.engine = build_engine(tc.engine, TrainContext(model_dir, tc))
         self.rank, self.world = self.engine.rank, self.engine.world_size
+        mcfg = getattr(self.engine, "config", None)  # what only the trainer can check: ids and lengths
+        self._vocab = getattr(mcfg, "vocab_size", None)
+        self._max_len = getattr(mcfg, "max_position_embeddings", None)
         self.ref = None
         if tc.loss.kl_coef > 0:
             self.ref = load_model(model_dir, device=str(self.engine.device)).eval().requires_grad_(False)
@@ -155,7 +158,8 @@ class Trainer(Worker):
                 self.metrics.inc("resume_skipped")
                 continue
             try:
-                sample = sample_from_record(decode_message(m, "ScoredTrajectory"), p, o)
+                rec = decode_message(m, "ScoredTrajectory")
+                sample = sample_from_record(rec, p, o, self._vocab, self._max_len)
             except DecodeError as exc:
                 self._dead_letter(m, exc)
                 self.offsets.dispose(p, o)
@@ -238,13 +242,16 @@ class Trainer(Worker):
         for g in groups:
             for s in g.samples:
                 self.offsets.dispose(s.partition, s.offset)
+        skipped = set(result["skipped_ids"])  # in an update that was skipped: not used
+        used = [s for s in plan.train if s.trajectory_id not in skipped]
         m = self.metrics
         m.inc("steps")
         m.inc("optimizer_steps", result["optimizer_steps"])
         m.inc("updates_skipped", result["skipped"])
         m.inc("groups_closed", len(groups))
         m.inc("groups_incomplete", plan.incomplete_groups)
-        m.inc("samples_trained", len(plan.train))
+        m.inc("samples_trained", len(used))
+        m.inc("samples_update_skipped", len(skipped))
         m.inc("stale_dropped", len(plan.stale))
         m.inc("incomplete_dropped", len(plan.incomplete_dropped))
         lags = plan.version_lag_counts()
@@ -270,7 +277,8 @@ class Trainer(Worker):
                 "step": self.step,
                 "version": plan.version,
                 "time": time.time(),
-                "used": [s.trajectory_id for s in plan.train],
+                "used": [s.trajectory_id for s in used],
+                "update_skipped": sorted(skipped),
                 "stale": [s.trajectory_id for s in plan.stale],
                 "incomplete_dropped": [s.trajectory_id for s in plan.incomplete_dropped],
                 "groups": [g.group_id for g in groups],
@@ -283,7 +291,8 @@ class Trainer(Worker):
             kv(
                 step=self.step,
                 version=self.version,
-                samples=len(plan.train),
+                samples=len(used),
+                update_skipped=len(skipped),
                 stale=len(plan.stale),
                 incomplete_dropped=len(plan.incomplete_dropped),
                 loss=round(result["loss"], 5),

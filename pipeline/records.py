@@ -1,0 +1,104 @@
+"""What a decoded record must mean, beyond what its Avro schema already fixes: positive budgets,
+consistent versions, finite numbers, arrays of matching lengths, sane sizes, non-negative
+sequence numbers and token ids.
+
+Each check raises ``InvalidRecord`` (a ``DecodeError`` with ``error_type`` ``invalid`` or
+``too_long``), so the role that finds it dead-letters the record with the reason and goes on; its
+neighbours are unaffected. The first role that can tell checks: the rollout worker checks
+Prompts, the reward worker Trajectories, the trainer ScoredTrajectories (again, since anyone may
+write to rl.scored) plus what only it knows (token ids below the model's vocabulary, lengths
+within its context).
+
+What this is not: decoding (``pipeline.codec``) or a policy on what to do with a bad record.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.codec import unpack_f32, unpack_i32
+from pipeline.errors import DecodeError
+
+MAX_TEXT_CHARS = 1 << 20
+"""Longest text field accepted (characters)."""
+MAX_TOKENS = 1 << 20
+"""Most tokens in one prompt or response."""
+
+
+class InvalidRecord(DecodeError):
+    """A record that decodes but cannot be used; ``error_type`` is ``invalid`` or ``too_long``."""
+
+    def __init__(self, reason: str, error_type: str = "invalid"):
+        super().__init__(reason, error_type=error_type)
+
+
+def _text(rec: dict, *fields: str) -> None:
+    for f in fields:
+        if len(rec.get(f) or "") > MAX_TEXT_CHARS:
+            raise InvalidRecord(f"{f} has {len(rec[f])} characters, more than {MAX_TEXT_CHARS}", "too_long")
+
+
+def check_prompt(p: dict) -> None:
+    """A Prompt the rollout worker can generate for."""
+    n, start, count = p["group_size"], p["sample_start"], p["sample_count"]
+    if n < 1:
+        raise InvalidRecord(f"group_size {n} < 1")
+    if count < 1 or start < 0 or start + count > n:
+        raise InvalidRecord(f"samples [{start}, {start + count}) do not fit group_size {n}")
+    if p["group_seq"] < -1:
+        raise InvalidRecord(f"group_seq {p['group_seq']} is negative (only -1, unnumbered, is allowed)")
+    if p["max_new_tokens"] is not None and p["max_new_tokens"] <= 0:
+        raise InvalidRecord(f"max_new_tokens {p['max_new_tokens']} <= 0")
+    if not p["text"]:
+        raise InvalidRecord("empty prompt text")
+    if not p["group_id"] or not p["task"]:
+        raise InvalidRecord("empty group_id or task")
+    _text(p, "text", "reference")
+
+
+def check_trajectory(t: dict) -> tuple[list[int], list[int], list[float], list[int]]:
+    """A Trajectory that can be scored and trained; returns its unpacked (prompt tokens, response
+    tokens, logprobs, loss mask)."""
+    tid = t["trajectory_id"]
+    if not tid or not t["group_id"]:
+        raise InvalidRecord("empty trajectory_id or group_id")
+    if t["group_size"] < 1 or not 0 <= t["sample_index"] < t["group_size"]:
+        raise InvalidRecord(f"{tid}: sample_index {t['sample_index']} outside group_size {t['group_size']}")
+    if t["group_seq"] < -1:
+        raise InvalidRecord(f"{tid}: group_seq {t['group_seq']} is negative")
+    if t["version_min"] < 0 or t["version_max"] < t["version_min"]:
+        raise InvalidRecord(f"{tid}: versions [{t['version_min']}, {t['version_max']}] are not 0 <= min <= max")
+    _text(t, "prompt_text", "response_text", "reference")
+    try:
+        prompt, response = list(unpack_i32(t["prompt_tokens"])), list(unpack_i32(t["response_tokens"]))
+        logprobs = list(unpack_f32(t["logprobs"]))
+    except DecodeError as exc:
+        raise InvalidRecord(f"{tid}: {exc.reason}") from exc
+    if not prompt or not response:
+        raise InvalidRecord(f"{tid}: empty prompt or response tokens")
+    if len(prompt) + len(response) > MAX_TOKENS:
+        raise InvalidRecord(f"{tid}: {len(prompt) + len(response)} tokens, more than {MAX_TOKENS}", "too_long")
+    if min(prompt) < 0 or min(response) < 0:
+        raise InvalidRecord(f"{tid}: negative token id")
+    if len(logprobs) != len(response):
+        raise InvalidRecord(f"{tid}: {len(logprobs)} logprobs for {len(response)} response tokens")
+    if not all(math.isfinite(x) and x <= 1e-3 for x in logprobs):
+        raise InvalidRecord(f"{tid}: logprobs must be finite and <= 0")
+    mask = list(t["loss_mask"]) if t["loss_mask"] else [1] * len(response)
+    if len(mask) != len(response) or any(m not in (0, 1) for m in mask):
+        raise InvalidRecord(f"{tid}: loss_mask must hold one 0/1 per response token")
+    return prompt, response, logprobs, mask
+
+
+def check_scored(rec: dict, vocab_size: int | None = None, max_len: int | None = None):
+    """A ScoredTrajectory the trainer can use: a valid trajectory, a finite reward, and (when the
+    trainer passes them) token ids below ``vocab_size`` and a length within ``max_len``."""
+    prompt, response, logprobs, mask = check_trajectory(rec["trajectory"])
+    tid = rec["trajectory"]["trajectory_id"]
+    if not math.isfinite(rec["reward"]):
+        raise InvalidRecord(f"{tid}: reward {rec['reward']} is not finite")
+    if vocab_size is not None and max(max(prompt), max(response)) >= vocab_size:
+        raise InvalidRecord(f"{tid}: token id {max(max(prompt), max(response))} outside the vocabulary ({vocab_size})")
+    if max_len is not None and len(prompt) + len(response) > max_len:
+        raise InvalidRecord(f"{tid}: {len(prompt) + len(response)} tokens, more than the model's {max_len}", "too_long")
+    return prompt, response, logprobs, mask
