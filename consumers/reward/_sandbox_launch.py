@@ -5,8 +5,11 @@ program's stdin/stdout/stderr already redirected, in a new session (its own proc
 status pipe on the fd named in the spec. It imports nothing from rlstream (it runs as a script).
 
 Steps, in order: a new network namespace (as root ``unshare(CLONE_NEWNET)``; otherwise a new user
-namespace with one), resource limits (CPU, address space, processes, file size, open files,
-core dumps), dropping to an unprivileged uid (as root), a parent-death signal, then ``execv``.
+namespace with one; skipped in ``bwrap`` mode, where bubblewrap makes its own), joining the run's
+cgroup v2 (when the spec names one), resource limits (CPU, address space, processes, file size,
+open files, core dumps), dropping to an unprivileged uid (as root), a parent-death signal, then
+``execv`` of the spec's argv: the program itself, or in ``bwrap`` mode bubblewrap wrapping it (the
+seccomp and json-status fds in its argv are inherited).
 
 ``python -I -S _sandbox_launch.py sweep <uid>`` instead kills every process of ``uid`` (as that
 uid, ``kill(-1, SIGKILL)``), which also reaches children that left the process group.
@@ -39,13 +42,23 @@ def _run(spec: dict) -> None:
         os._exit(SETUP_FAILED)
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if spec["deny_network"]:
+    if spec.get("mode") == "bwrap":
+        status["network"] = "netns" if spec["deny_network"] else "shared"  # bwrap --unshare-net
+    elif spec["deny_network"]:
         if _unshare(libc, CLONE_NEWNET):
             status["network"] = "netns"
         elif spec["uid"] is None and _unshare(libc, CLONE_NEWUSER | CLONE_NEWNET):
             status["network"] = "userns+netns"
         elif spec["require_isolation"]:
             fail(f"cannot create a network namespace: {os.strerror(ctypes.get_errno())}")
+    if spec.get("cgroup"):
+        try:
+            with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            status["cgroup"] = spec["cgroup"]
+        except OSError as exc:
+            if spec["require_isolation"]:
+                fail(f"cannot join cgroup {spec['cgroup']}: {exc}")
     try:
         for name, (soft, hard) in spec["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))

@@ -43,13 +43,28 @@ class SandboxConfig(StrictModel):
     network: Literal["deny", "allow"] = "deny"
     """deny: run the program in a new, empty network namespace where the OS allows it."""
     require_isolation: bool = False
-    """True: fail the run (score 0) when network isolation or the uid drop is unavailable."""
+    """True: fail the run (setup error) when network isolation, the uid drop or (for isolation =
+    "auto") bubblewrap is unavailable."""
     uid_base: int = Field(200_000, ge=1000, le=4_000_000_000)
     """As root, programs run as uid ``uid_base + pid of the scoring process`` (unique, no login)."""
     python: str | None = None
     """Interpreter that runs the programs. None: the worker's own."""
     python_flags: list[str] = Field(default_factory=lambda: ["-I"])
     """Flags given to that interpreter (``-I``: isolated mode)."""
+    isolation: Literal["auto", "bwrap", "namespaces"] = "auto"
+    """auto: bubblewrap (new user/pid/net/ipc/uts namespaces, seccomp filter, read-only minimal
+    filesystem with a private work dir) when it works here, else a loud fallback to namespaces
+    (a warning, and ``fallback`` in each run's isolation details; with require_isolation the run
+    fails instead). bwrap: bubblewrap or fail. namespaces: rlimits, a network namespace and the uid
+    drop only (no seccomp, host filesystem readable)."""
+    seccomp: bool = True
+    """Under bubblewrap, load the seccomp filter (``consumers.reward.seccomp``; needs libseccomp)."""
+    bwrap: str = Field("bwrap", min_length=1)
+    """The bubblewrap executable: a name looked up on PATH, or a path."""
+    cgroup_parent: str | None = Field(None, pattern=r"^/")
+    """An absolute cgroup v2 directory, writable, with memory and pids in its ``cgroup.subtree_control``;
+    each run gets a child cgroup there with memory.max = memory_mb, pids.max and no swap. None:
+    the worker's own cgroup if it qualifies, else these limits are off (logged once)."""
 
 
 class RewardConfig(StrictModel):

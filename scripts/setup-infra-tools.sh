@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Installs and builds what the deployment files (infra/, docs/deployment.md) need, idempotently; a
+# second run only checks. Run by scripts/setup.sh; safe to run on its own.
+#   bubblewrap               the code-reward sandbox (apt-get, only as root and only if missing)
+#   helm v3.22.0             built from the Go module proxy into $BIN (~/.cache/rlstream/bin)
+#   compose-config           infra/tools/compose-config (compose-spec's loader) into $BIN
+#   kubernetes-validate      into the project's virtualenv (offline Kubernetes schema checks)
+#   the Kafbat UI serde      infra/kafbat-serde -> target/plugin (Kafbat's filePath) and target/cli-lib
+# A step whose toolchain is missing (go, mvn, apt-get/root) is reported and skipped; the tests that
+# need its output then skip and say why. --strict makes any skipped or failed step an error.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${RLSTREAM_VENV:-$ROOT/.venv}
+BIN=${RLSTREAM_CACHE:-$HOME/.cache/rlstream}/bin
+HELM_VERSION=v3.22.0
+KUBERNETES_VALIDATE=1.37.0
+STRICT=0
+[ "${1:-}" = "--strict" ] && STRICT=1
+mkdir -p "$BIN"
+say() { printf '\033[1m[infra-tools]\033[0m %s\n' "$*"; }
+problems=()
+skip() { say "SKIPPED $1: $2"; problems+=("$1"); }
+stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
+
+# --- bubblewrap ------------------------------------------------------------------------------
+if command -v bwrap >/dev/null; then
+  say "bubblewrap: $(bwrap --version)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  say "installing bubblewrap (apt-get)"
+  if { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap; } >/dev/null; then
+    say "bubblewrap: $(bwrap --version)"
+  else
+    skip bubblewrap "apt-get install failed"
+  fi
+else
+  skip bubblewrap "not installed and cannot apt-get (need root); the code sandbox falls back to rlimits + namespaces"
+fi
+
+# --- helm ------------------------------------------------------------------------------------
+# (a `go install`ed helm reports its version as "v3.22": the stamp file records the exact one)
+if [ -x "$BIN/helm" ] && [ "$(cat "$BIN/.helm.version" 2>/dev/null)" = "$HELM_VERSION" ]; then
+  say "helm $HELM_VERSION: $BIN/helm"
+elif command -v go >/dev/null; then
+  say "building helm $HELM_VERSION from the Go module proxy (a few minutes, once)"
+  if GOBIN="$BIN" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"; then
+    echo "$HELM_VERSION" >"$BIN/.helm.version"
+    say "helm $HELM_VERSION: $BIN/helm"
+  else
+    skip helm "go install failed"
+  fi
+else
+  skip helm "go not found (install Go 1.24+)"
+fi
+
+# --- compose-config --------------------------------------------------------------------------
+src=infra/tools/compose-config
+want=$(stamp_of $src/go.mod $src/go.sum $src/main.go)
+if [ -x "$BIN/compose-config" ] && [ "$(cat "$BIN/.compose-config.stamp" 2>/dev/null)" = "$want" ]; then
+  say "compose-config: $BIN/compose-config"
+elif command -v go >/dev/null; then
+  say "building compose-config ($src)"
+  if (cd $src && GOBIN="$BIN" go install .); then
+    echo "$want" >"$BIN/.compose-config.stamp"
+  else
+    skip compose-config "go install failed"
+  fi
+else
+  skip compose-config "go not found"
+fi
+
+# --- kubernetes-validate ---------------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  skip kubernetes-validate "no virtualenv at $VENV (run scripts/setup.sh)"
+elif "$VENV/bin/python" -c 'import kubernetes_validate' 2>/dev/null; then
+  say "kubernetes-validate: installed"
+elif "$VENV/bin/python" -m pip install -q "kubernetes-validate==$KUBERNETES_VALIDATE"; then
+  say "kubernetes-validate $KUBERNETES_VALIDATE installed"
+else
+  skip kubernetes-validate "pip install failed"
+fi
+
+# --- Kafbat UI serde plugin ------------------------------------------------------------------
+serde=infra/kafbat-serde
+want=$(stamp_of $serde/pom.xml $(find $serde/src -type f | sort))
+if [ -f $serde/target/.stamp ] && [ "$(cat $serde/target/.stamp)" = "$want" ]; then
+  say "kafbat serde: $serde/target/plugin"
+elif command -v mvn >/dev/null; then
+  say "building the Kafbat UI serde plugin ($serde, Maven; jars cached in ~/.m2)"
+  if mvn -B -q -Dstyle.color=never -f $serde/pom.xml clean package; then
+    echo "$want" >$serde/target/.stamp
+    say "kafbat serde: $serde/target/plugin"
+  else
+    skip kafbat-serde "mvn package failed"
+  fi
+else
+  skip kafbat-serde "mvn not found"
+fi
+
+if [ ${#problems[@]} -gt 0 ]; then
+  say "not available: ${problems[*]} (tests that need them skip)"
+  [ "$STRICT" = 1 ] && exit 1
+fi
+exit 0
