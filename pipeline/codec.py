@@ -6,6 +6,10 @@ The fingerprint names the writer schema among all shipped versions in ``schemas/
 reader decodes with the newest version of the same record name (Avro schema resolution),
 so old data stays readable after a schema gains optional fields.
 
+Embedded values: a ``ScoredTrajectory`` (v2) carries its trajectory as the original encoded
+Trajectory value (``trajectory_value``), so a reward worker never re-encodes it; ``decode`` fills
+``trajectory`` from those bytes, and readers see the same record whatever the writer's version.
+
 This module also packs token ids (int32 LE), logprobs (float32 LE) and masks (uint8) into
 bytes. It does no Kafka I/O.
 """
@@ -54,12 +58,20 @@ def _with_bytes_defaults(schema: dict, record):
             if ftype == "bytes" and isinstance(f.get("default"), str):
                 out = dict(out) if out is record else out
                 out[name] = f["default"].encode("latin-1")
-        elif isinstance(ftype, dict) and ftype.get("type") == "record":
-            sub = _with_bytes_defaults(ftype, record[name])
+        elif (rtype := _record_branch(ftype)) is not None and isinstance(record[name], dict):
+            sub = _with_bytes_defaults(rtype, record[name])
             if sub is not record[name]:
                 out = dict(out) if out is record else out
                 out[name] = sub
     return out
+
+
+def _record_branch(ftype):
+    """The record schema of a field type: the type itself, or a union's record branch."""
+    for t in ftype if isinstance(ftype, list) else [ftype]:
+        if isinstance(t, dict) and t.get("type") == "record":
+            return t
+    return None
 
 
 def schema_of(data: bytes) -> schemas.SchemaInfo:
@@ -90,6 +102,10 @@ def decode(data: bytes, expected: str | None = None) -> tuple[str, dict]:
         raise DecodeError(f"corrupt {writer.label} body: {exc!r}") from exc
     if body.tell() != len(data) - HEADER_LEN:
         raise DecodeError(f"{writer.label} body has {len(data) - HEADER_LEN - body.tell()} trailing bytes")
+    if isinstance(rec.get("trajectory_value"), str):  # a resolved bytes default comes back as its JSON string
+        rec["trajectory_value"] = rec["trajectory_value"].encode("latin-1")
+    if rec.get("trajectory_value") and rec.get("trajectory") is None:  # an embedded value (ScoredTrajectory.v2)
+        rec["trajectory"] = decode_as(rec["trajectory_value"], "Trajectory")
     return writer.name, rec
 
 

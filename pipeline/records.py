@@ -93,6 +93,8 @@ def check_trajectory(t: dict) -> tuple[list[int], list[int], list[float], list[i
 def check_scored(rec: dict, vocab_size: int | None = None, max_len: int | None = None):
     """A ScoredTrajectory the trainer can use: a valid trajectory, a finite reward, and (when the
     trainer passes them) token ids below ``vocab_size`` and a length within ``max_len``."""
+    if not isinstance(rec.get("trajectory"), dict):
+        raise InvalidRecord("scored record without a trajectory")
     prompt, response, logprobs, mask = check_trajectory(rec["trajectory"])
     tid = rec["trajectory"]["trajectory_id"]
     if not math.isfinite(rec["reward"]):

@@ -32,6 +32,14 @@ class FeedConfig(StrictModel):
     """Split each group's n samples over this many messages on distinct partitions (prompt replication)."""
     limit: int = Field(0, ge=0)
     """Stop after this many groups in this run (0 = all); a later run resumes after them."""
+    dispatch: Literal["all", "paced"] = "all"
+    """``all``: publish every group as fast as ``rate`` allows, then exit. ``paced``: publish a group
+    only once the rollout workers may start it (admission, following rl.control) and put each
+    message on the prompts partition with the shortest backlog (producers.pacing); runs until every
+    group is published. ``rlstream demo`` and the benchmarks use ``paced``."""
+    paced_backlog: int = Field(1, ge=1, le=10_000)
+    """``paced``: most of the feed's messages per prompts partition not yet committed by the rollout
+    workers (queued or being generated)."""
     checkpoint_every: int = Field(64, ge=1, le=1_000_000)
     """Publish the feed state to rl.control after this many groups (and at the end)."""
     id_field: str = "id"

@@ -38,6 +38,7 @@ from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.worker import Worker
 from producers.datasets import dataset_hash, load_dataset
+from producers.pacing import Pacer
 
 log = logging.getLogger(__name__)
 STATE_COMMAND = "feed_state"
@@ -97,6 +98,7 @@ class Feed(Worker):
         self.topic = cfg.topics.name("prompts")
         self.producer: Producer | None = None
         self._wm: Consumer | None = None
+        self.pacer: Pacer | None = None
         self._orders: dict[int, list[int]] = {}
         self.stats: dict = {}
 
@@ -123,6 +125,9 @@ class Feed(Worker):
         self.stats = {"start_group_seq": self.start_g, "groups": 0, "messages": 0, "skipped_messages": 0}
         self.stats["total_groups"] = total
         self._t0 = time.monotonic()
+        if self.fc.dispatch == "paced":
+            self.pacer = Pacer(cfg, self.topic, self.partitions)
+            self.pacer.catch_up(self.liveness.startup_timeout_s)
         log.info(
             "feeding %s",
             kv(feed=self.fc.name, start=self.start_g, end=self.end, total=total, already_sent=len(self.sent)),
@@ -138,17 +143,36 @@ class Feed(Worker):
             if delay > 0:
                 time.sleep(min(delay, 1.0))  # short naps: the watchdog sees the loop alive
                 return True
+        todo = []
         for rec, part in self.messages(g):
             if (g, rec["sample_start"]) in self.sent:
                 self.stats["skipped_messages"] += 1
-                continue
+            else:
+                todo.append((rec, part))
+        if todo and self.pacer is not None and not self._place(g, todo):
+            time.sleep(0.02)  # not admissible yet, or every queue is full: look again soon
+            return True
+        for rec, part in todo:
             kw = {"partition": part} if part is not None else {}
+            if self.pacer is not None:
+                kw["on_delivery"] = self.pacer.on_delivery
+                self.pacer.sent(part)
             self.producer.produce_record(self.topic, "Prompt", rec, key=rec["group_id"].encode(), **kw)
             self.stats["messages"] += 1
         self.stats["groups"] += 1
         self.next_g = g + 1
         if (self.next_g - self.start_g) % self.fc.checkpoint_every == 0 and self.next_g < self.end:
             self.checkpoint(self.next_g)
+        return True
+
+    def _place(self, g: int, todo: list) -> bool:
+        """Paced dispatch: True (and ``todo``'s partitions chosen) if group ``g`` may go out now."""
+        self.pacer.refresh()
+        parts = self.pacer.pick(len(todo)) if self.pacer.admissible(g) else None
+        if parts is None:
+            self.producer.poll(0)  # serve delivery reports while waiting
+            return False
+        todo[:] = [(rec, p) for (rec, _), p in zip(todo, parts, strict=True)]
         return True
 
     def finish(self) -> None:
@@ -224,6 +248,8 @@ class Feed(Worker):
         finally:
             if self._wm is not None:
                 self._wm.close()
+            if self.pacer is not None:
+                self.pacer.close()
 
 
 def run(cfg, stop=None) -> dict:

@@ -72,6 +72,8 @@ class RolloutWorker(Worker):
         self._last_commit = 0.0
         self.to_commit: dict[tuple[str, int], int] = {}
         self._commit_failures = 0
+        self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.feed.replicate)))
+        """Samples per prompt message (smoothed): how many messages fit the free slots."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -167,14 +169,18 @@ class RolloutWorker(Worker):
         return self.rc.max_inflight - len(self.running) - len(self.env_steps) - len(self.ready)
 
     def _poll_prompts(self) -> None:
+        """Take only the prompt messages that fit: capacity is counted in samples and a message
+        asks for ``sample_count`` of them, so a worker never hoards work another worker could do."""
         cap = self._capacity()
+        idle = not (self.running or self.env_steps or self.ready)
+        room = max(int(idle), cap // max(1, round(self._per_msg)))  # messages that fit (one when idle)
         assigned = self.consumer.assignment()
-        want_paused = ((assigned if cap <= 0 else set()) | {tp for tp, q in self.held.items() if q}) & assigned
+        want_paused = ((assigned if room <= 0 else set()) | {tp for tp, q in self.held.items() if q}) & assigned
         paused = self.consumer.paused()
         self.consumer.pause(want_paused - paused)
         self.consumer.resume(paused - want_paused)
-        idle = not (self.running or self.env_steps or self.ready)
-        msgs = self.consumer.consume(max(1, min(cap, 100)), self.rc.poll_timeout_s if idle else 0.0)
+        # consume even when full (partitions paused): it serves rebalance callbacks and max.poll.interval
+        msgs = self.consumer.consume(max(1, min(room, 100)), self.rc.poll_timeout_s if idle else 0.0)
         if msgs:
             assigned = self.consumer.assignment()
         for msg in msgs:
@@ -193,6 +199,7 @@ class RolloutWorker(Worker):
             self._dead_letter(msg, exc.error_type, str(exc), gen)
             return
         gen = self.ledger.add(tp, msg.offset(), prompt["sample_count"])
+        self._per_msg += 0.2 * (prompt["sample_count"] - self._per_msg)  # samples per message, smoothed
         q = self.held.get(tp)
         if q or not self._admissible(prompt):
             self.held.setdefault(tp, deque()).append((msg.offset(), prompt, gen))

@@ -127,3 +127,25 @@ def test_missing_bytes_field_takes_its_default():
     rec = {"trajectory": t, "reward": 0.5, "scorer_id": "r", "scored_at_ms": 1}
     assert codec.decode_as(codec.encode("ScoredTrajectory", rec), "ScoredTrajectory")["trajectory"]["loss_mask"] == b""
     assert "loss_mask" not in t  # the caller's record is not modified
+
+
+def test_scored_v2_carries_the_original_trajectory_bytes_and_v1_still_reads():
+    import io
+
+    import fastavro
+
+    t = make_trajectory(5)
+    raw = codec.encode("Trajectory", t)
+    v2 = codec.encode("ScoredTrajectory", {"trajectory": None, "trajectory_value": raw, "reward": 1.0,
+                                           "scorer_id": "r", "scored_at_ms": 1})  # fmt: skip
+    assert raw in v2  # byte for byte, not re-encoded
+    rec = codec.decode_as(v2, "ScoredTrajectory")
+    assert rec["trajectory"]["trajectory_id"] == "g5/0" and rec["trajectory"]["logprobs"] == t["logprobs"]
+    v1 = next(s for s in schemas.all_schemas() if s.label == "ScoredTrajectory.v1")
+    buf = io.BytesIO(codec.MAGIC + v1.fingerprint)
+    buf.seek(0, 2)
+    fastavro.schemaless_writer(buf, v1.parsed, {"trajectory": t, "reward": 0.5, "reward_details": {}, "scorer_id": "r",
+                                                "scored_at_ms": 1, "score_latency_ms": 0.0, "source_partition": 1,
+                                                "source_offset": 2})  # fmt: skip
+    old = codec.decode_as(buf.getvalue(), "ScoredTrajectory")
+    assert old["trajectory"] == rec["trajectory"] and old["trajectory_value"] == b"" and old["source_offset"] == 2

@@ -142,3 +142,50 @@ def make_config_offline(tmp_path):
     from rlstream.config import load_config
 
     return lambda *o: load_config(None, [f"run_dir={tmp_path}", *o], environ={})
+
+
+@pytest.mark.kafka
+def test_paced_dispatch_admits_and_places_on_the_shortest_queue(make_config):
+    """feed.dispatch = paced: nothing inadmissible is published (k = 0, G = 2: groups 0 and 1 at
+    version 0), no partition holds more than paced_backlog uncommitted messages, and a commit by the
+    rollout group (a worker finishing) or a newer version lets the next groups out, onto the
+    partitions that are free."""
+    import threading
+
+    from pipeline.kafka import Consumer, TopicPartition, client_conf
+    from producers.testing import publish_version
+    from tests.test_rollout import base_state
+
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=8", "rl.group_size=2", "rl.groups_per_step=2", "rl.max_staleness=0",
+        "topics.prompts.partitions=3", 'feed.dispatch="paced"', "feed.paced_backlog=1",
+    )  # fmt: skip
+    f = feed.Feed(cfg)
+    t = threading.Thread(target=f.run, daemon=True)
+    t.start()
+
+    def settle(n: int) -> list:
+        deadline = time.monotonic() + 60
+        while len(prompts(cfg)) < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # and nothing more comes out
+        return prompts(cfg)
+
+    try:
+        first = settle(2)
+        assert sorted(r["group_seq"] for r in first) == [0, 1]  # admission: v0 admits groups 0 and 1 only
+        publish_version(cfg, 3, base_state(cfg))  # admits every group; the queues now limit
+        second = settle(3)
+        assert sorted(r["group_seq"] for r in second) == [0, 1, 2]  # 3 partitions, backlog 1 each
+        ends = end_offsets(cfg, cfg.topics.name("prompts"))
+        assert sorted(ends.values()) == [1, 1, 1]  # one message on each partition: the shortest queues
+        with Consumer(client_conf(cfg, "test", kind="consumer"), group_id=cfg.rollout.group_id) as c:
+            busy = [p for p, hi in ends.items() if hi][:2]  # "workers" finish two of them
+            c.commit([TopicPartition(cfg.topics.name("prompts"), p, 1) for p in busy])
+        third = settle(5)
+        assert sorted(r["group_seq"] for r in third) == [0, 1, 2, 3, 4]
+        assert sorted(end_offsets(cfg, cfg.topics.name("prompts")).values()) == [1, 2, 2]
+    finally:
+        f.stop()
+        t.join(60)
+    assert not t.is_alive()

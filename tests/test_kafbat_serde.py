@@ -105,6 +105,8 @@ def records() -> list[tuple[str, dict]]:
         ("Trajectory", trajectory(1)),
         ("ScoredTrajectory", {"trajectory": trajectory(2), "reward": 0.75, "reward_details": {"exact_match": 1.0},
                               "scorer_id": "reward-1", "scored_at_ms": 9, "source_partition": 2, "source_offset": 77}),
+        ("ScoredTrajectory", {"trajectory": None, "trajectory_value": codec.encode("Trajectory", trajectory(4)),
+                              "reward": 0.5, "scorer_id": "reward-2", "scored_at_ms": 10}),  # what reward workers write
         ("WeightUpdate", {"version": 12, "uri": "s3://b/w/v12.safetensors", "sha256": "ab" * 32, "bytes": 1 << 33,
                           "step": 12, "created_at_ms": 10, "trainer_id": "trainer-0"}),
         ("Command", {"name": "stop", "args": {"reason": "done"}, "created_at_ms": 11}),
@@ -150,7 +152,8 @@ def test_every_record_type_through_kafka_decodes_like_python(kafka_bootstrap):
         assert f32(got["value"]) == f32(expected), name
     traj = decoded[1]["value"]
     assert traj["response_tokens"] == [8, 0, 3] and traj["logprobs"] == [-0.125, -1.0e-7, -3.3]
-    assert traj["loss_mask"] == [1, 0, 1] and decoded[6]["value"]["key"] == base64.b64encode(b"g1").decode()
+    assert traj["loss_mask"] == [1, 0, 1] and decoded[7]["value"]["key"] == base64.b64encode(b"g1").decode()
+    assert decoded[3]["value"]["trajectory"]["group_id"] == "g4"  # the embedded trajectory, decoded
 
 
 def test_bad_values_are_errors_and_old_data_reads_with_a_newer_schema(tmp_path):

@@ -325,8 +325,9 @@ class RewardWorker(Worker):
         )
 
     def _produce_scored(self, m, traj: dict, out) -> None:
-        rec = {
-            "trajectory": traj,
+        rec = {  # the trajectory travels as the exact bytes read, never re-encoded (ScoredTrajectory.v2)
+            "trajectory": None,
+            "trajectory_value": m.value(),
             "reward": out.reward,
             "reward_details": out.details,
             "scorer_id": self.worker_id,

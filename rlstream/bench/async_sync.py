@@ -91,6 +91,7 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
         f"feed.source={json.dumps(str(source))}",
         "feed.epochs=100000",
         f"feed.limit={(sz['steps'] + 6) * g}",
+        'feed.dispatch="paced"',
         f"rollout.max_inflight={sz['inflight']}",
         f"rollout.max_new_tokens={sz['clip']}",
         'rollout.reload_policy="interrupt"',

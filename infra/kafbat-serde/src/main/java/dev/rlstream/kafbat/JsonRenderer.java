@@ -20,7 +20,9 @@ import org.apache.avro.generic.GenericRecord;
  * written in Java's shortest float form) and {@code loss_mask} (uint8). Non-finite numbers are the
  * strings {@code "NaN"}, {@code "Infinity"}, {@code "-Infinity"} (JSON has none). Every other {@code bytes}
  * value (DeadLetter's key, value and headers) is base64, as is a packed field whose length is not a
- * multiple of its element size.
+ * multiple of its element size. An embedded value ({@code trajectory_value} of ScoredTrajectory.v2:
+ * the original Trajectory's bytes) is decoded into {@code trajectory} when that is null, as the
+ * Python codec does.
  */
 public final class JsonRenderer {
   private static final JsonNodeFactory F = JsonNodeFactory.instance;
@@ -33,6 +35,20 @@ public final class JsonRenderer {
     ObjectNode out = F.objectNode();
     for (var field : record.getSchema().getFields()) {
       out.set(field.name(), value(field.name(), record.get(field.pos())));
+    }
+    return out;
+  }
+
+  /** {@link #render(GenericRecord)}, with an embedded Trajectory value decoded by {@code schemas}. */
+  public static JsonNode render(GenericRecord record, SchemaSet schemas) {
+    ObjectNode out = (ObjectNode) render(record);
+    if (record.getSchema().getField("trajectory_value") != null && record.get("trajectory") == null) {
+      ByteBuffer b = ((ByteBuffer) record.get("trajectory_value")).duplicate();
+      if (b.hasRemaining()) {
+        byte[] raw = new byte[b.remaining()];
+        b.get(raw);
+        out.set("trajectory", render(schemas.decode(raw).record()));
+      }
     }
     return out;
   }

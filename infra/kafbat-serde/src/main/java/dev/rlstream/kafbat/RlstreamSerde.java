@@ -79,7 +79,7 @@ public class RlstreamSerde implements Serde {
       SchemaSet.Decoded d = s.decode(data);
       String fingerprint = String.format("%016x", Long.reverseBytes(d.writer().fingerprint())); // wire byte order
       return new DeserializeResult(
-          JsonRenderer.render(d.record()).toString(),
+          JsonRenderer.render(d.record(), s).toString(),
           DeserializeResult.Type.JSON,
           Map.of("schema", d.writer().label(), "fingerprint", fingerprint));
     };
