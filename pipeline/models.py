@@ -44,6 +44,8 @@ class TinyModelConfig(StrictModel):
     """Characters of the character-level vocabulary (after <pad> <bos> <eos> <unk>)."""
     seed: int = 0
     """Init seed: the same seed gives the same version-0 weights in every process."""
+    chat_template: str = ""
+    """A Jinja chat template for the tokenizer ('' = none), e.g. to try chat datasets on the tiny model."""
 
     def key(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
@@ -58,8 +60,8 @@ class PretrainedModelConfig(StrictModel):
 ModelConfig = Annotated[TinyModelConfig | PretrainedModelConfig, Field(discriminator="type")]
 
 
-def build_char_tokenizer(charset: str = CHARSET):
-    """A character-level ``PreTrainedTokenizerFast`` built in code."""
+def build_char_tokenizer(charset: str = CHARSET, chat_template: str = ""):
+    """A character-level ``PreTrainedTokenizerFast`` built in code (with ``chat_template`` if given)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,9 +69,12 @@ def build_char_tokenizer(charset: str = CHARSET):
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
 
 
 def build_tiny_model(cfg: TinyModelConfig):
@@ -77,7 +82,7 @@ def build_tiny_model(cfg: TinyModelConfig):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = build_char_tokenizer(cfg.charset)
+    tok = build_char_tokenizer(cfg.charset, cfg.chat_template)
     lc = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=cfg.hidden_size,

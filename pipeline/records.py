@@ -49,11 +49,11 @@ def check_prompt(p: dict) -> None:
         raise InvalidRecord(f"group_seq {p['group_seq']} is negative (only -1, unnumbered, is allowed)")
     if p["max_new_tokens"] is not None and p["max_new_tokens"] <= 0:
         raise InvalidRecord(f"max_new_tokens {p['max_new_tokens']} <= 0")
-    if not p["text"]:
-        raise InvalidRecord("empty prompt text")
+    if not p["text"] and not p.get("messages"):
+        raise InvalidRecord("empty prompt text and no messages")
     if not p["group_id"] or not p["task"]:
         raise InvalidRecord("empty group_id or task")
-    _text(p, "text", "reference")
+    _text(p, "text", "reference", "messages")
 
 
 def check_trajectory(t: dict) -> tuple[list[int], list[int], list[float], list[int]]:

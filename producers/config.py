@@ -46,6 +46,8 @@ class FeedConfig(StrictModel):
     """Record field with the prompt id (falls back to ``prompt_id``, then to the record's index)."""
     prompt_field: str = "prompt"
     """Record field with the prompt text (falls back to ``text``)."""
+    messages_field: str = "messages"
+    """Record field with chat messages (OpenAI format); such a record needs no prompt text."""
     task_field: str = "task"
     """Record field with the task name (falls back to ``default_task``)."""
     reference_field: str = "reference"
@@ -172,6 +174,13 @@ class RolloutConfig(StrictModel):
     """Default response budget per sample (a prompt may lower or raise it); multi-turn: whole episode."""
     max_prompt_tokens: int = Field(1024, ge=1, le=10_000_000)
     """Longer prompts go to rl.dlq with error_type too_long."""
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """Render prompts with the tokenizer's chat template: ``auto`` for prompts that carry chat
+    ``messages``, ``always`` also for plain text (as one user message), ``never`` (text as is)."""
+    system_prompt: str = ""
+    """With a chat template: a system message put first when the conversation has none."""
+    add_generation_prompt: bool = True
+    """With a chat template: end the rendered prompt with the assistant turn's opening."""
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     """Sampling temperature; 0 = greedy. Logprobs are log_softmax(raw_logits / T) (T = 1 when greedy)."""
     reload_policy: Literal["drain", "interrupt"] = "drain"

@@ -1,7 +1,9 @@
 """Prompt datasets for the feed: JSON Lines, Parquet (needs pyarrow) and directories saved by HF
 ``datasets`` (``load_from_disk``, needs ``datasets``), normalized to one record shape.
 
-A normalized record: ``prompt_id``, ``text``, ``task``, ``reference`` (a JSON string for the
+A record carries either plain prompt text or chat ``messages`` (OpenAI format: a list of
+``{"role", "content"}``), which the rollout worker renders with the tokenizer's chat template.
+A normalized record: ``prompt_id``, ``text``, ``messages`` (JSON, only when given), ``task``, ``reference`` (a JSON string for the
 verifier), ``n`` (group size or None for the config's), ``max_new_tokens`` (or None) and
 ``metadata`` (str -> str). Which source fields feed them is configured in ``FeedConfig``.
 Errors name the file and the record. What this is not: a streaming reader; the whole dataset is
@@ -17,6 +19,21 @@ from pathlib import Path
 from pipeline.errors import ConfigError
 
 RESERVED = {"n", "group_size", "max_new_tokens", "metadata"}
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+def _messages(value, where: str) -> str:
+    """Chat messages as canonical JSON; ConfigError naming the record if they are malformed."""
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value)
+    )
+    if not ok:
+        raise ConfigError(
+            f"{where}: messages must be a non-empty list of {{role, content}} with role in {sorted(ROLES)}"
+        )
+    return json.dumps([{"role": m["role"], "content": m["content"]} for m in value])
 
 
 def read_raw(path: Path, fmt: str = "auto") -> list[dict]:
@@ -62,11 +79,14 @@ def normalize(rows: list[dict], fc, where: str = "dataset") -> list[dict]:
         if not isinstance(r, dict):
             raise ConfigError(f"{where}: record {i} is not an object")
         text = r.get(fc.prompt_field, r.get("text"))
-        if not isinstance(text, str) or not text:
-            raise ConfigError(f"{where}: record {i} has no prompt text (field {fc.prompt_field!r} or 'text')")
+        messages = _messages(r[fc.messages_field], f"{where}: record {i}") if fc.messages_field in r else None
+        if messages is None and (not isinstance(text, str) or not text):
+            raise ConfigError(
+                f"{where}: record {i} has no prompt text (field {fc.prompt_field!r} or 'text') and no {fc.messages_field!r}"
+            )
         pid = r.get(fc.id_field, r.get("prompt_id", i))
         task = r.get(fc.task_field) or fc.default_task
-        used = {fc.id_field, "prompt_id", fc.prompt_field, "text", fc.task_field, *RESERVED}
+        used = {fc.id_field, "prompt_id", fc.prompt_field, "text", fc.task_field, fc.messages_field, *RESERVED}
         ref = r[fc.reference_field] if fc.reference_field in r else {k: v for k, v in r.items() if k not in used}
         n = r.get("n", r.get("group_size"))
         mnt = r.get("max_new_tokens")
@@ -76,17 +96,18 @@ def normalize(rows: list[dict], fc, where: str = "dataset") -> list[dict]:
         meta = r.get("metadata") or {}
         if not isinstance(meta, dict):
             raise ConfigError(f"{where}: record {i}: metadata must be an object")
-        out.append(
-            {
-                "prompt_id": str(pid),
-                "text": text,
-                "task": str(task),
-                "reference": json.dumps(ref, sort_keys=True, default=str),
-                "n": n,
-                "max_new_tokens": mnt,
-                "metadata": {str(k): str(v) for k, v in meta.items()},
-            }
-        )
+        rec = {
+            "prompt_id": str(pid),
+            "text": text if isinstance(text, str) else "",
+            "task": str(task),
+            "reference": json.dumps(ref, sort_keys=True, default=str),
+            "n": n,
+            "max_new_tokens": mnt,
+            "metadata": {str(k): str(v) for k, v in meta.items()},
+        }
+        if messages is not None:  # only then: a plain dataset keeps its hash (and its feed's resume state)
+            rec["messages"] = messages
+        out.append(rec)
     return out
 
 

@@ -209,6 +209,7 @@ class Feed(Worker):
                 "group_seq": g,
                 "task": r["task"],
                 "text": r["text"],
+                "messages": r.get("messages", ""),
                 "group_size": n,
                 "sample_start": start,
                 "sample_count": count,

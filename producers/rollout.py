@@ -41,6 +41,7 @@ from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from pipeline.records import InvalidRecord, check_prompt
 from pipeline.worker import Worker
+from producers.chat import render, uses_template
 from producers.engines import EngineContext, GenOutput, build_engine
 from producers.envs import EnvContext, env_factory
 from producers.ledger import OffsetLedger
@@ -215,7 +216,11 @@ class RolloutWorker(Worker):
             check_prompt(prompt)
         except InvalidRecord as exc:
             raise exc.located(msg.topic(), msg.partition(), msg.offset()) from exc
-        toks = self._tokenize(prompt["text"])
+        if uses_template(prompt, self.rc.chat_template):
+            prompt["text"] = render(prompt, self.tokenizer, self.rc.system_prompt, self.rc.add_generation_prompt)
+            toks = self.tokenizer(prompt["text"], add_special_tokens=False).input_ids  # the template has them
+        else:
+            toks = self._tokenize(prompt["text"])
         limit = min(self.rc.max_prompt_tokens, self.max_len - 1)
         if len(toks) > limit:
             raise InvalidRecord(f"prompt has {len(toks)} tokens, more than the limit {limit}", "too_long")

@@ -238,6 +238,30 @@ def train(
     run(cfg, max_steps=max_steps)
 
 
+@app.command("eval")
+def eval_(
+    source: Annotated[Path | None, typer.Argument(help="Held-out dataset (eval.source).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Evaluate while training: every eval.every_versions published versions, generate on a held-out
+    dataset and publish mean reward and pass@1 per version to the metrics topic."""
+    cfg = load(config, [*(set_ or []), *([f"eval.source={json.dumps(str(source))}"] if source else [])])
+    from rlstream.eval import run
+
+    run(cfg)
+
+
+@app.command()
+def track(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Write the metrics topic as TensorBoard event files (tracking.dir, default <run_dir>/tensorboard)
+    and to W&B when tracking.wandb_project is set; runs until SIGTERM."""
+    cfg = load(config, set_)
+    from rlstream.tracking import TrackWorker
+
+    TrackWorker(cfg).run()
+
+
 # ---- application ----------------------------------------------------------------------------
 @app.command()
 def demo(

@@ -30,6 +30,8 @@ from pipeline.config import (
 from pipeline.kafka import DEFAULT_BOOTSTRAP
 from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
+from rlstream.eval import EvalConfig
+from rlstream.tracking import TrackingConfig
 
 
 class BrokerConfig(StrictModel):
@@ -64,6 +66,10 @@ class Config(StrictModel):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
+    """Evaluation while training (``rlstream eval``): a held-out dataset, scored every N versions."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment logging of rl.metrics: TensorBoard event files, W&B."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Standard-library logging level of every role."""
     run_dir: Path = Path("runs")

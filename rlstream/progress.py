@@ -10,11 +10,17 @@ class Progress:
     def __init__(self):
         self.steps: list[dict] = []
         self.workers: dict[str, dict] = {}
+        self.evals: dict[int, dict] = {}
+        """version -> {reward_mean, pass_at_1, answers} from ``rlstream eval``."""
 
     def add(self, ev: dict) -> None:
         key = f"{ev['role']}/{ev['worker_id']}"
         self.workers[key] = ev
         m = ev["metrics"]
+        if ev["role"] == "eval" and "eval_reward_mean" in m:
+            self.evals[ev["version"]] = {
+                "reward_mean": m["eval_reward_mean"], "pass_at_1": m.get("eval_pass_at_1"), "answers": m.get("eval_answers")
+            }  # fmt: skip
         if ev["role"] == "trainer" and "step" in m and "reward_mean" in m:
             step = int(m["step"])
             if self.steps and self.steps[-1]["step"] >= step:
@@ -49,6 +55,10 @@ class Progress:
             return 0.0
         return sum(s["samples"] for s in tail[1:]) / (tail[-1]["time"] - tail[0]["time"])
 
+    def eval_curve(self) -> list[list]:
+        """[[version, mean reward, pass@1], ...] in version order."""
+        return [[v, round(e["reward_mean"], 4), round(e["pass_at_1"] or 0.0, 4)] for v, e in sorted(self.evals.items())]
+
     def staleness(self) -> dict[int, int]:
         from rlstream.report import staleness_histogram
 
@@ -72,5 +82,10 @@ def render(p: Progress, lags: dict, max_steps: int, k: int, elapsed: float, titl
     t.add_row("lag (records) per stage", "  ".join(f"{s}: {n}" for s, n in lags.items()) or "-")
     versions = {k2.split("/", 1)[1]: ev["version"] for k2, ev in sorted(p.workers.items()) if ev["role"] == "rollout"}
     t.add_row("rollout loaded versions", "  ".join(f"{w}: v{v}" for w, v in versions.items()) or "-")
+    if p.evals:
+        v = max(p.evals)
+        t.add_row(
+            "eval (newest)", f"v{v}: reward {p.evals[v]['reward_mean']:.3f}  pass@1 {p.evals[v]['pass_at_1']:.3f}"
+        )
     t.add_row("restarts", "  ".join(f"{n}: {c}" for n, c in sorted((restarts or {}).items())) or "none")
     return t

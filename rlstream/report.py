@@ -1,5 +1,5 @@
 """Run reports: a JSON file and PNG plots (reward vs step, staleness distribution, throughput
-over time) from the trainer's per-step MetricEvents. Used by ``rlstream demo`` and benchmarks.
+over time, and the eval curve when ``rlstream eval`` ran) from the trainer's per-step MetricEvents. Used by ``rlstream demo`` and benchmarks.
 
 matplotlib is imported only when plotting (the ``plots`` extra); without it the JSON is still
 written and the plots are skipped with a message.
@@ -88,6 +88,19 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         out.append(_save(fig, run_dir / "throughput.png"))
+    if report.get("eval_curve"):
+        curve = report["eval_curve"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([c[0] for c in curve], [c[1] for c in curve], marker="o", label="mean reward")
+        ax.plot([c[0] for c in curve], [c[2] for c in curve], marker="s", label="pass@1")
+        ax.set_xlabel("policy version")
+        ax.set_ylabel("held-out score")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("evaluation while training")
+        ax.legend(loc="lower right")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out.append(_save(fig, run_dir / "eval.png"))
     return out
 
 

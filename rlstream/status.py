@@ -156,7 +156,15 @@ class StatusReader:
             for k, v in r["metrics"].items()
             if "stale" in k and not k.endswith("_rate")
         )
+        evals = sorted((r for r in mets.values() if r["role"] == "eval"), key=lambda r: r["version"])
         return {
+            "eval": {
+                "version": evals[-1]["version"],
+                "reward_mean": evals[-1]["metrics"].get("eval_reward_mean"),
+                "pass_at_1": evals[-1]["metrics"].get("eval_pass_at_1"),
+            }
+            if evals
+            else None,
             "time": t0,
             "interval_s": round(dt, 2),
             "trainer_version": version,
@@ -204,6 +212,9 @@ def render(snap: dict):
     extra = Table(show_header=False)
     extra.add_row("DLQ by reason", ", ".join(f"{k}: {v}" for k, v in snap["dlq"].items()) or "empty")
     extra.add_row("stale dropped", str(int(snap["stale_dropped"])))
+    if snap.get("eval"):
+        e = snap["eval"]
+        extra.add_row("eval (newest)", f"v{e['version']}: reward {e['reward_mean']:.3f}, pass@1 {e['pass_at_1']:.3f}")
     extra.add_row(
         "rollout versions", ", ".join(f"{k}: v{v}" for k, v in snap["rollout_loaded_versions"].items()) or "-"
     )

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=${RLSTREAM_VENV:-$ROOT/.venv}
-EXTRAS="hf,reward,dev,plots"
+EXTRAS="hf,reward,dev,plots,track"
 WANT_DS=1; WANT_VLLM=0
 for a in "$@"; do
   case "$a" in
@@ -35,7 +35,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.rlstream-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS"
-if [ -f "$stamp" ] && "$VENV/bin/python" -c 'import pipeline, torch, transformers' 2>/dev/null; then
+if [ -f "$stamp" ] && "$VENV/bin/python" -c 'import pipeline, torch, transformers, peft' 2>/dev/null; then
   say "python environment up to date ($VENV)"
 else
   say "installing rlstream[$EXTRAS] into $VENV (first run downloads torch, ~3 GB; cached by pip)"

@@ -1,0 +1,175 @@
+"""``rlstream eval``: evaluation while training, without pausing it.
+
+A process of its own (a ``pipeline.worker.Worker``) that follows rl.control and, for version 0 and
+then every ``eval.every_versions`` published versions, loads those weights into its own rollout
+engine, generates ``eval.samples`` answers for each prompt of a held-out dataset, scores them with
+the reward workers' functions (``reward.tasks``/``reward.default``, in the same timed pool), and
+publishes one MetricEvent (role ``eval``, its ``version``) with ``eval_reward_mean``,
+``eval_pass_at_1`` (the share of answers whose reward reaches ``eval.pass_threshold``) and counts.
+The launcher's live view, ``rlstream status``, the run report and its plots show the curve.
+
+It lives in the application layer because it composes two roles' libraries (a rollout engine and
+reward functions); it writes nothing but metrics. It is not a benchmark harness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from pipeline.config import StrictModel
+from pipeline.control import ControlFollower, now_ms
+from pipeline.errors import ConfigError
+from pipeline.kafka import Producer, client_conf
+from pipeline.log import kv
+from pipeline.metrics import WorkerMetrics
+from pipeline.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class EvalConfig(StrictModel):
+    source: Path | None = None
+    """Held-out dataset (the feed's formats and field names); required to run ``rlstream eval``."""
+    every_versions: int = Field(1, ge=1, le=1_000_000)
+    """Evaluate version 0, then each published version that is at least this many past the last one."""
+    samples: int = Field(1, ge=1, le=1024)
+    """Answers per prompt; pass@1 is the share of all answers that pass."""
+    max_prompts: int = Field(0, ge=0)
+    """Use the first this many prompts of the dataset (0 = all)."""
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    """Sampling temperature of the eval answers (0 = greedy)."""
+    max_new_tokens: int = Field(0, ge=0, le=1_000_000)
+    """Answer budget; 0 = rollout.max_new_tokens."""
+    pass_threshold: float = 1.0
+    """An answer passes when its reward is at least this."""
+    worker_id: str = Field("eval-0", pattern=r"^[A-Za-z0-9._-]+$")
+    """Id in metrics and client ids."""
+
+
+class Evaluator(Worker):
+    role = "eval"
+    unit = "evaluation"
+
+    def __init__(self, cfg):
+        super().__init__(cfg, cfg.eval.worker_id)
+        self.ec = cfg.eval
+        self.engine = self.pool = self.control = self.producer = self.metrics = None
+        self.evaluated: int | None = None
+        self.results: list[dict] = []
+
+    def setup(self) -> None:
+        from consumers.reward.pool import make_pool
+        from pipeline.models import load_tokenizer, materialize
+        from producers.config import FeedConfig
+        from producers.datasets import load_dataset
+        from producers.engines import EngineContext, build_engine
+
+        if self.ec.source is None:
+            raise ConfigError("eval.source is not set: give a held-out dataset")
+        fc = self.cfg.feed
+        fields = {
+            k: getattr(fc, k) for k in ("id_field", "prompt_field", "task_field", "messages_field", "reference_field")
+        }
+        records = load_dataset(FeedConfig(source=self.ec.source, default_task=fc.default_task, **fields))
+        self.records = records[: self.ec.max_prompts] if self.ec.max_prompts else records
+        model_dir = materialize(self.cfg.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = build_engine(self.cfg.rollout.engine, EngineContext(model_dir, self.tokenizer, self.worker_id))
+        self.pool = make_pool(self.cfg.reward, self.cfg.log_level)
+        self.control = ControlFollower(self.cfg, "eval", self.worker_id)
+        self.producer = Producer(client_conf(self.cfg, "eval", self.worker_id, kind="producer"))
+        self.metrics = WorkerMetrics("eval", self.worker_id, self.producer, self.cfg.topics.name("metrics"), 3600)
+        self.control.catch_up(self.liveness.startup_timeout_s)
+        log.info(
+            "evaluator started %s", kv(prompts=len(self.records), samples=self.ec.samples, every=self.ec.every_versions)
+        )
+
+    def run_once(self) -> bool:
+        self.control.poll(0.5)
+        self.control.commands.clear()
+        upd = self.control.latest_update
+        target = upd["version"] if upd else 0
+        if self.evaluated is None or target >= self.evaluated + self.ec.every_versions:
+            if target > self.engine.version:
+                with self.section("weight load"):
+                    self.engine.load_weights(upd, self.engine.prepare_weights(upd))
+            with self.section("evaluation"):
+                self._evaluate()
+        return True
+
+    def _evaluate(self) -> None:
+        from producers.chat import render, uses_template
+        from producers.engines import GenRequest
+
+        rc, ec, t0 = self.cfg.rollout, self.ec, time.monotonic()
+        budget = ec.max_new_tokens or rc.max_new_tokens
+        reqs, meta = [], []
+        for i, r in enumerate(self.records):
+            if uses_template(r, rc.chat_template):
+                text = render(r, self.tokenizer, rc.system_prompt, rc.add_generation_prompt)
+                toks = self.tokenizer(text, add_special_tokens=False).input_ids
+            else:
+                text, toks = r["text"], self.tokenizer(r["text"]).input_ids
+            n = min(budget, self.engine.max_model_len - len(toks))
+            for j in range(ec.samples):
+                reqs.append(
+                    GenRequest(
+                        f"eval{i}/{j}", toks, max(1, n), ec.temperature, frozenset({self.tokenizer.eos_token_id})
+                    )
+                )
+                meta.append((r, text))
+        outs = self.engine.generate(reqs, timeout=self.liveness.slow_op_s)
+        trajs = [
+            {
+                "trajectory_id": req.rid,
+                "group_id": req.rid,
+                "task": r["task"],
+                "prompt_text": text,
+                "response_text": self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+                "reference": r["reference"],
+                "finish_reason": out.finish_reason,
+                "num_turns": 1,
+                "metadata": {},
+            }
+            for req, out, (r, text) in zip(reqs, outs, meta, strict=True)
+        ]
+        scored = [o for o in self.pool.score(trajs) if o.ok]
+        rewards = [o.reward for o in scored]
+        res = {
+            "version": self.engine.version,
+            "eval_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "eval_pass_at_1": sum(r >= ec.pass_threshold for r in rewards) / len(trajs) if trajs else 0.0,
+            "eval_answers": len(trajs),
+            "eval_unscored": len(trajs) - len(scored),
+            "eval_s": time.monotonic() - t0,
+        }
+        self.results.append(res)
+        self.evaluated = self.engine.version
+        self.metrics.version = self.engine.version
+        for k, v in res.items():
+            if k != "version":
+                self.metrics.set(k, v)
+        self.metrics.set("eval_at_ms", now_ms())
+        self.metrics.publish()
+        self.producer.flush_patiently(self.liveness.outage_s, "eval metrics")
+        log.info("evaluated %s", kv(**{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
+
+    def close(self) -> None:
+        for c in (self.control, self.pool, self.engine):
+            if c is not None:
+                c.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.producer is not None:
+            self.producer.close(self.cfg.kafka.request_timeout_s)
+
+    def result(self) -> list[dict]:
+        return self.results
+
+
+def run(cfg, stop=None) -> list[dict]:
+    return Evaluator(cfg).run(stop)
