@@ -262,6 +262,42 @@ def track(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     TrackWorker(cfg).run()
 
 
+@app.command()
+def export(
+    out: Annotated[Path, typer.Argument(help="Directory to write (config, tokenizer, model.safetensors).")],
+    version: int | None = typer.Option(None, "--version", help="A published version (default: the newest)."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Write a published policy version as a Hugging Face model directory (from_pretrained, vLLM)."""
+    cfg = load(config, set_)
+    from rlstream.export import export as run_export
+
+    update = run_export(cfg, out, version)
+    print(json.dumps({"version": update["version"], "dir": str(out), "sha256": update["sha256"]}))
+
+
+@app.command()
+def replay(
+    source_prefix: Annotated[str, typer.Argument(help="Topic prefix of the run whose scored log to replay, e.g. rl.")],
+    to_prefix: str | None = typer.Option(None, "--to-prefix", help="New topic prefix (default replay-<id>.)."),
+    steps: int | None = typer.Option(None, "--steps", help="Stop after this many steps (default: all the log holds)."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Re-train a fresh trainer (new topics, checkpoint dir and control topic) on an existing rl.scored log."""
+    import time
+
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    base = load(config, set_, resolve=False)
+    run_dir = Path(base.run_dir) / f"replay-{run_id}"
+    cfg = load(config, [*(set_ or []), f"topics.prefix={json.dumps(to_prefix or f'replay-{run_id}.')}",
+                        f"run_dir={json.dumps(str(run_dir))}"])  # fmt: skip
+    from rlstream.replay import run
+
+    print(json.dumps(run(cfg, source_prefix, steps)))
+
+
 # ---- application ----------------------------------------------------------------------------
 @app.command()
 def demo(

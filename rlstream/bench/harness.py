@@ -45,14 +45,25 @@ class BenchContext:
     profile: bool = False
     """Record py-spy profiles of the worker processes (when py-spy is installed)."""
     extra: dict = field(default_factory=dict)
+    broker_pid: int | None = None
+    """The local broker started for this invocation (None: an external cluster), for CPU accounting."""
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds a process has used so far (None if it is gone or unknown)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
 def broker(bootstrap: str | None, say=print):
-    """Yield a bootstrap address: the given one, else a local broker in a temporary directory,
-    started here and stopped by its PID at the end."""
+    """Yield ``(bootstrap, broker pid)``: the given address (pid None), else a local broker in a
+    temporary directory, started here and stopped by its PID at the end."""
     if bootstrap:
-        yield bootstrap
+        yield bootstrap, None
         return
     from rlstream.broker import LocalBroker
     from rlstream.config import BrokerConfig
@@ -60,7 +71,8 @@ def broker(bootstrap: str | None, say=print):
     data = tempfile.mkdtemp(prefix="rlstream-bench-broker-")
     b = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=768))
     try:
-        yield b.start(progress=say)["bootstrap"]
+        state = b.start(progress=say)
+        yield state["bootstrap"], state["pid"]
     finally:
         b.stop(progress=say)
         shutil.rmtree(data, ignore_errors=True)
@@ -116,6 +128,11 @@ class RunResult:
     loadavg: tuple[float, float]
     """1-minute load average before and after (other work on the machine shows up here)."""
     profiles: dict[str, str] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each role process (and ``broker``, when local) used from the start of the work
+    (``work_started`` set, or the feed started) until just before it was stopped."""
+    work_s: float = 0.0
+    """Seconds of that accounting window."""
 
 
 def run_pipeline(
@@ -129,9 +146,12 @@ def run_pipeline(
     timeout_s: float = 600,
     done=None,
     profile: list[str] | None = None,
+    work_started=None,
 ) -> RunResult:
     """Run the roles of one pipeline as supervised ``rlstream`` subprocesses until the trainer exits
-    (``trainer.max_steps``) or ``done()`` returns True; then stop everything (SIGTERM, then SIGKILL)."""
+    (``trainer.max_steps``) or ``done()`` returns True; then stop everything (SIGTERM, then SIGKILL).
+    ``work_started`` (a threading.Event a driver sets) marks where CPU accounting starts; without
+    it, when the feed starts."""
     from pipeline.admin import ensure_topics
     from pipeline.models import materialize
     from rlstream.supervisor import ChildDied, Supervisor
@@ -159,9 +179,13 @@ def run_pipeline(
                 if time.monotonic() - t0 > 180:
                     raise TimeoutError("the rollout workers did not form a stable group in 180 s")
                 time.sleep(0.25)
+            cpu0, t_work = None, time.monotonic()
             if feed:
+                cpu0 = _cpu_now(ctx, sup)
                 sup.start("feed", ["feed", *base], may_exit=True)
             while True:
+                if cpu0 is None and work_started is not None and work_started.is_set():
+                    cpu0, t_work = _cpu_now(ctx, sup), time.monotonic()
                 finished = sup.check()
                 if ("trainer" in finished) if done is None else done():
                     break
@@ -175,9 +199,19 @@ def run_pipeline(
         except TimeoutError as exc:
             status = f"failed: {exc}"
         wall = time.monotonic() - t0
+        cpu1, work_s = _cpu_now(ctx, sup), time.monotonic() - t_work
+        cpu = {n: round(c - (cpu0 or {}).get(n, 0.0), 3) for n, c in cpu1.items()} if cpu0 is not None else {}
         codes = sup.stop_all(timeout=10)
     profiles = _stop_profilers(spies)
-    return RunResult(status, round(wall, 2), codes, (round(load0, 2), round(os.getloadavg()[0], 2)), profiles)
+    loads = (round(load0, 2), round(os.getloadavg()[0], 2))
+    return RunResult(status, round(wall, 2), codes, loads, profiles, cpu, round(work_s, 2))
+
+
+def _cpu_now(ctx: BenchContext, sup) -> dict[str, float]:
+    out = {n: c for n, ch in sup.children.items() if (c := cpu_seconds(ch.proc.pid)) is not None}
+    if (b := cpu_seconds(ctx.broker_pid)) is not None:
+        out["broker"] = b
+    return out
 
 
 def group_stable(cfg, group_id: str, members: int) -> bool:

@@ -26,7 +26,7 @@ TITLES = {
     "async": "async vs sync",
     "transport": "transport overhead",
     "weights": "weight-notice latency",
-    "scaling": "reward-stage scaling",
+    "scaling": "scale on one broker",
 }
 
 
@@ -52,8 +52,8 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"run_dir": str(out), "size": size, "machine": machine(), "results": {}}
     t0 = time.monotonic()
-    with broker(bootstrap or cfg.kafka.bootstrap_servers, say) as bs:
-        ctx = BenchContext(out, bs, config_path, list(sets or []), size, run_id, say, profile)
+    with broker(bootstrap or cfg.kafka.bootstrap_servers, say) as (bs, broker_pid):
+        ctx = BenchContext(out, bs, config_path, list(sets or []), size, run_id, say, profile, broker_pid=broker_pid)
         for name in names:
             mod = importlib.import_module(BENCHMARKS[name])
             say(f"[bench] {name}: starting ({size})")

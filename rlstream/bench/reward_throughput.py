@@ -113,7 +113,7 @@ def main() -> None:
     if args.code:
         cases.append(("code sandbox (2 tests), process x2", "code", args.code, ["reward.pool_size=2"]))
     results = []
-    with broker(args.bootstrap) as bs, tempfile.TemporaryDirectory() as run_dir:
+    with broker(args.bootstrap) as (bs, _pid), tempfile.TemporaryDirectory() as run_dir:
         print(f"broker {bs}; {os.cpu_count()} CPU(s); one reward worker per case")
         for name, kind, n, sets in cases:
             res = run_case(bs, name, kind, n, sets, run_dir)

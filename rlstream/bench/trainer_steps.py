@@ -157,7 +157,7 @@ def main() -> None:
         if not bootstrap:
             from rlstream.bench.harness import broker
 
-            bootstrap = stack.enter_context(broker(None))
+            bootstrap, _pid = stack.enter_context(broker(None))
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rlstream-bench-trainer-"))
         result = run(bootstrap, args.steps, args.engine, args.prompt_tokens, args.response_tokens, run_dir)
     print(json.dumps(result, indent=2))

@@ -1,0 +1,42 @@
+"""`rlstream export`: a published version as a Hugging Face directory that from_pretrained loads
+and that reproduces the rollout engine's logprobs under those weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+from tests.test_engine_hf import reqs, teacher_forced_logprobs
+
+pytestmark = pytest.mark.kafka
+
+
+def test_exported_directory_loads_and_reproduces_the_engines_logprobs(make_config, cli_env, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.models import load_model, load_tokenizer, materialize
+    from producers.config import HFEngineConfig
+    from producers.engines import EngineContext, build_engine
+    from producers.testing import publish_version
+
+    cfg = make_config()
+    base = load_model(materialize(cfg.model)).state_dict()
+    trained = {k: v + 0.02 * torch.randn_like(v) for k, v in base.items()}  # "version 3": different weights
+    update = publish_version(cfg, 3, trained)
+    out = tmp_path / "hf"
+    printed = json.loads(run_cli(["export", str(out)], cli_env, timeout=180).stdout.strip().splitlines()[-1])
+    assert printed["version"] == 3 and printed["sha256"] == update["sha256"]
+
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    d = materialize(cfg.model)
+    assert tok("Copy: apple\n").input_ids == load_tokenizer(d)("Copy: apple\n").input_ids
+    eng = build_engine(HFEngineConfig(device="cpu"), EngineContext(d, load_tokenizer(d), "w"))
+    eng.load_weights(update, eng.prepare_weights(update))
+    for req, got in zip(rs := reqs(tok, 3, base=8), eng.generate(rs), strict=True):
+        want = teacher_forced_logprobs(model, req.context, got.tokens)
+        assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+    assert run_cli(["export", str(tmp_path / "x"), "--version", "7"], cli_env, check=False).returncode == 2
