@@ -1,26 +1,39 @@
-"""Admin helper (part of the Kafka wrapper, with ``pipeline.kafka``): create, describe and delete rlstream's topics; read offsets and group lag.
+"""Admin helper (part of the Kafka wrapper, with ``pipeline.kafka``): create, describe and delete rlstream's topics; read offsets and group lag; grant and list ACLs; set SCRAM users.
 
 ``create_topics`` is idempotent: an existing topic is left as is when it matches its spec, its
 configs are brought in line when they differ, and a partition count below the spec is raised
 (Kafka cannot lower one, so a higher count is reported, not changed).
+
+ACLs are given as ``Acl`` values (plain strings, so callers never touch confluent-kafka's enums);
+``create_acls`` is idempotent (Kafka ignores a binding that already exists).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import (
+    AclBinding,
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
     AdminClient,
     AlterConfigOpType,
     ConfigEntry,
     ConfigResource,
     NewPartitions,
     NewTopic,
+    ResourcePatternType,
+    ResourceType,
+    ScramCredentialInfo,
+    ScramMechanism,
+    UserScramCredentialUpsertion,
 )
 
-from pipeline.errors import TopicError
+from pipeline.errors import ConfigError, KafkaClientError, TopicError
 from pipeline.kafka import Consumer, client_conf, retry_transient
 from pipeline.log import kv
 
@@ -47,6 +60,82 @@ class TopicInfo:
     @property
     def messages(self) -> int:
         return sum(hi - lo for lo, hi in self.offsets.values())
+
+
+CLUSTER_RESOURCE = "kafka-cluster"
+"""The name of Kafka's one cluster resource (ACLs such as IdempotentWrite, ClusterAction)."""
+_RESOURCE_TYPES = {
+    "topic": ResourceType.TOPIC,
+    "group": ResourceType.GROUP,
+    "transactional_id": ResourceType.TRANSACTIONAL_ID,
+    "cluster": ResourceType.BROKER,  # librdkafka's BROKER (4) is Kafka's CLUSTER resource type
+}
+_OPERATIONS = {
+    op.name.lower(): op for op in AclOperation if op not in (AclOperation.UNKNOWN, AclOperation.ANY)
+}  # all, read, write, create, delete, alter, describe, cluster_action, describe_configs, alter_configs, idempotent_write
+_PATTERNS = {"literal": ResourcePatternType.LITERAL, "prefixed": ResourcePatternType.PREFIXED}
+_PERMISSIONS = {"allow": AclPermissionType.ALLOW, "deny": AclPermissionType.DENY}
+
+
+@dataclass(frozen=True)
+class Acl:
+    """One ACL binding: ``principal`` (``User:<name>``) is allowed (or denied) ``operation`` on a
+    resource, from ``host``. All fields are plain lower-case strings:
+
+    * ``resource_type``: ``topic``, ``group``, ``transactional_id`` or ``cluster`` (its name is
+      always ``kafka-cluster``);
+    * ``pattern``: ``literal`` (the exact name, or ``*`` for every name) or ``prefixed``;
+    * ``operation``: ``read``, ``write``, ``describe``, ``create``, ``delete``, ``alter``,
+      ``describe_configs``, ``alter_configs``, ``idempotent_write``, ``cluster_action`` or ``all``.
+    """
+
+    principal: str
+    resource_type: str
+    name: str
+    operation: str
+    pattern: str = "literal"
+    permission: str = "allow"
+    host: str = "*"
+
+    def binding(self) -> AclBinding:
+        def pick(table: dict, value: str, what: str):
+            try:
+                return table[value]
+            except KeyError:
+                raise ConfigError(f"ACL {what} {value!r} unknown; known: {', '.join(table)}") from None
+
+        if ":" not in self.principal:
+            raise ConfigError(f"ACL principal {self.principal!r} must look like User:<name>")
+        rtype = pick(_RESOURCE_TYPES, self.resource_type, "resource_type")
+        name = CLUSTER_RESOURCE if rtype == ResourceType.BROKER else self.name
+        return AclBinding(
+            rtype,
+            name,
+            pick(_PATTERNS, self.pattern, "pattern"),
+            self.principal,
+            self.host,
+            pick(_OPERATIONS, self.operation, "operation"),
+            pick(_PERMISSIONS, self.permission, "permission"),
+        )
+
+    @classmethod
+    def of(cls, b: AclBinding) -> Acl:
+        rtype = {v: k for k, v in _RESOURCE_TYPES.items()}.get(b.restype, b.restype.name.lower())
+        return cls(
+            b.principal,
+            rtype,
+            b.name,
+            b.operation.name.lower(),
+            b.resource_pattern_type.name.lower(),
+            b.permission_type.name.lower(),
+            b.host,
+        )
+
+    def __str__(self) -> str:
+        where = f"{self.resource_type}:{self.name}" + ("*" if self.pattern == "prefixed" else "")
+        return f"{self.permission} {self.principal} {self.operation} {where}" + (
+            f" from {self.host}" if self.host != "*" else ""
+        )
 
 
 class Admin:
@@ -197,6 +286,102 @@ class Admin:
                         raise TopicError(f"cannot delete topic {name}: {err}", err) from exc
                     result[name] = "absent"
         return result
+
+    # -- security --------------------------------------------------------------------------------
+    def create_acls(self, acls: list[Acl], wait: bool = True) -> int:
+        """Create every binding of ``acls`` (existing ones are left as they are); returns how many
+        were sent. With ``wait``, return only once the broker answering describes them all (a
+        binding is in effect once the broker has the metadata that holds it; within ``timeout``).
+        KafkaClientError names the first binding the broker refused (e.g. SECURITY_DISABLED
+        without an authorizer, CLUSTER_AUTHORIZATION_FAILED for a non-admin)."""
+        bindings = {acl.binding(): acl for acl in acls}
+        if not bindings:
+            return 0
+        try:
+            futures = self._admin.create_acls(list(bindings), request_timeout=self.timeout)
+        except KafkaException as exc:
+            raise KafkaClientError(f"cannot create ACLs: {exc.args[0]}", exc.args[0]) from exc
+        for binding, fut in futures.items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                raise KafkaClientError(f"cannot create ACL ({bindings[binding]}): {exc.args[0]}", exc.args[0]) from exc
+        want = {Acl.of(b) for b in bindings}  # normalised (e.g. the cluster resource's name)
+        deadline = time.monotonic() + self.timeout
+        while wait and (missing := want - set(self.describe_acls())):
+            if time.monotonic() > deadline:
+                raise KafkaClientError(
+                    f"ACLs created but not in effect after {self.timeout}s: {sorted(map(str, missing))}"
+                )
+            time.sleep(0.05)
+        log.info("created ACLs %s", kv(count=len(bindings)))
+        return len(bindings)
+
+    def _acl_filter(self, principal, resource_type, name, pattern) -> AclBindingFilter:
+        rtypes = {"any": ResourceType.ANY, **_RESOURCE_TYPES}
+        patterns = {"any": ResourcePatternType.ANY, "match": ResourcePatternType.MATCH, **_PATTERNS}
+        if resource_type not in rtypes or pattern not in patterns:
+            raise ConfigError(
+                f"ACL filter: resource_type {resource_type!r} (known: {', '.join(rtypes)}) or pattern "
+                f"{pattern!r} (known: {', '.join(patterns)}) unknown"
+            )
+        if resource_type == "cluster":
+            name = CLUSTER_RESOURCE
+        return AclBindingFilter(
+            rtypes[resource_type],
+            name,
+            patterns[pattern],
+            principal,
+            None,
+            AclOperation.ANY,
+            AclPermissionType.ANY,
+        )
+
+    def describe_acls(
+        self, principal: str | None = None, resource_type: str = "any", name: str | None = None, pattern: str = "any"
+    ) -> list[Acl]:
+        """ACL bindings matching the filter (None and ``any`` match everything; ``pattern="match"``
+        finds every binding that applies to resource ``name``: literal, ``*`` and prefixes)."""
+        flt = self._acl_filter(principal, resource_type, name, pattern)
+        try:
+            found = self._admin.describe_acls(flt, request_timeout=self.timeout).result()
+        except KafkaException as exc:
+            raise KafkaClientError(f"cannot describe ACLs: {exc.args[0]}", exc.args[0]) from exc
+        return sorted((Acl.of(b) for b in found), key=str)
+
+    def delete_acls(
+        self, principal: str | None = None, resource_type: str = "any", name: str | None = None, pattern: str = "any"
+    ) -> list[Acl]:
+        """Delete the ACL bindings matching the filter (as ``describe_acls``); returns them."""
+        flt = self._acl_filter(principal, resource_type, name, pattern)
+        try:
+            deleted = self._admin.delete_acls([flt], request_timeout=self.timeout)[flt].result()
+        except KafkaException as exc:
+            raise KafkaClientError(f"cannot delete ACLs: {exc.args[0]}", exc.args[0]) from exc
+        return sorted((Acl.of(b) for b in deleted), key=str)
+
+    def upsert_scram_users(self, users: dict[str, str], mechanism: str = "SCRAM-SHA-512", iterations: int = 8192):
+        """Create the SCRAM credentials of ``users`` (name -> password), or replace their passwords."""
+        if not users:
+            return
+        try:
+            mech = ScramMechanism[mechanism.replace("-", "_").upper()]
+        except KeyError:
+            raise ConfigError(f"SCRAM mechanism {mechanism!r} unknown; known: SCRAM-SHA-256, SCRAM-SHA-512") from None
+        info = ScramCredentialInfo(mech, iterations)
+        alterations = [UserScramCredentialUpsertion(u, info, pw.encode()) for u, pw in sorted(users.items())]
+        try:
+            futures = self._admin.alter_user_scram_credentials(alterations, request_timeout=self.timeout)
+        except KafkaException as exc:
+            raise KafkaClientError(f"cannot set SCRAM credentials: {exc.args[0]}", exc.args[0]) from exc
+        for user, fut in futures.items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                raise KafkaClientError(
+                    f"cannot set the SCRAM credential of {user}: {exc.args[0]}", exc.args[0]
+                ) from exc
+        log.info("set SCRAM credentials %s", kv(users=",".join(sorted(users)), mechanism=mechanism))
 
 
 def ensure_topics(cfg, roles: list[str] | None = None) -> dict[str, str]:

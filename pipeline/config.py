@@ -14,6 +14,7 @@ environment and ``--set`` are parsed as TOML literals when they parse (``3``, ``
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -281,20 +282,35 @@ def validate(model: type[StrictModel], tree: dict):
 # ---- writing ------------------------------------------------------------------------------
 
 
+_SECRET = re.compile(r"(password|secret|api_key|(^|[._])token)$|password|secret", re.IGNORECASE)
+"""Settings whose values never go into a resolved-config file (and every value of ``users``)."""
+
+
 def write_resolved(cfg: StrictModel, run_dir: str | Path, name: str) -> Path:
-    """Write the resolved config to ``<run_dir>/<name>.resolved.toml`` (every role at start-up)."""
+    """Write the resolved config to ``<run_dir>/<name>.resolved.toml`` (every role at start-up),
+    with secrets (passwords, keys, tokens) redacted."""
     path = Path(run_dir) / f"{name}.resolved.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_toml(cfg))
+    path.write_text(dump_toml(cfg, redact=True))
     return path
 
 
-def dump_toml(cfg: StrictModel) -> str:
-    """A config as TOML (round-trips through ``validate``)."""
-    return _model_toml(cfg, "").strip() + "\n"
+def dump_toml(cfg: StrictModel, redact: bool = False) -> str:
+    """A config as TOML (round-trips through ``validate`` unless ``redact``)."""
+    return _model_toml(cfg, "", redact).strip() + "\n"
 
 
-def _model_toml(model: StrictModel, prefix: str) -> str:
+def _secret(key: str) -> bool:
+    return bool(_SECRET.search(key))
+
+
+def _redacted(name: str, value):
+    if isinstance(value, dict):
+        return {k: "<redacted>" if name == "users" or _secret(k) else _redacted(k, v) for k, v in value.items()}
+    return "<redacted>" if _secret(name) and value else value
+
+
+def _model_toml(model: StrictModel, prefix: str, redact: bool = False) -> str:
     scalars, tables = [], []
     for name in type(model).model_fields:
         value = getattr(model, name)
@@ -302,10 +318,10 @@ def _model_toml(model: StrictModel, prefix: str) -> str:
             tables.append((name, value))
         elif value is not None:
             dumped = model.model_dump(mode="json", include={name})[name]
-            scalars.append(f"{name} = {_toml_value(dumped)}")
+            scalars.append(f"{name} = {_toml_value(_redacted(name, dumped) if redact else dumped)}")
     out = "\n".join(scalars) + "\n"
     for name, sub in tables:
-        out += f"\n[{prefix}{name}]\n" + _model_toml(sub, f"{prefix}{name}.")
+        out += f"\n[{prefix}{name}]\n" + _model_toml(sub, f"{prefix}{name}.", redact)
     return out
 
 

@@ -32,7 +32,7 @@ from confluent_kafka import Producer as _Producer
 
 import schemas
 from pipeline import codec
-from pipeline.errors import ConsumeError, DecodeError, DeliveryError, KafkaClientError
+from pipeline.errors import ConsumeError, DecodeError, DeliveryError, KafkaClientError, TopicError
 from pipeline.log import kv
 
 __all__ = [
@@ -52,7 +52,30 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+ASSIGN_ONLY_GROUP_PREFIX = "rlstream-nogroup-"
+"""Group id prefix of assign-only consumers (never committed to; librdkafka still looks it up, so a
+secured cluster grants Describe on this prefix: docs/security.md)."""
 TP = tuple[str, int]
+_auth_error: list = []
+"""The newest authentication/TLS failure librdkafka reported (its error callback), if any."""
+
+
+def _on_client_error(err: KafkaError) -> None:
+    """librdkafka's error callback: remember authentication and TLS failures (librdkafka itself only
+    retries them, so start-up would wait out its deadline on a wrong password) and log the rest."""
+    if err.code() in _AUTH_CODES:
+        _auth_error[:] = [err]
+        log.error("kafka authentication failed %s", kv(error=err))
+    elif err.fatal():
+        log.error("kafka client error %s", kv(error=err))
+
+
+def raise_if_auth_failed(what: str = "") -> None:
+    """Raise KafkaClientError if a client of this process failed to authenticate."""
+    if _auth_error:
+        err = _auth_error[0]
+        raise KafkaClientError(f"{what + ': ' if what else ''}authentication failed: {err} (check kafka.common: "
+                               "security.protocol, sasl.*, ssl.ca.location; docs/security.md)", err)  # fmt: skip
 
 
 def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "common") -> dict:
@@ -63,6 +86,7 @@ def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "commo
         "bootstrap.servers": cfg.kafka.bootstrap_servers or DEFAULT_BOOTSTRAP,
         "client.id": f"{cfg.kafka.client_id_prefix}-{role}-{wid}",
         "log_level": 5,  # librdkafka: notice and above (info is chatty about internal queues)
+        "error_cb": _on_client_error,
     }
     conf.update(cfg.kafka.common)
     if kind == "producer":
@@ -93,6 +117,13 @@ _TRANSIENT_CODES = {
     KafkaError.NETWORK_EXCEPTION,
 }
 _UNKNOWN_TOPIC_CODES = {KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
+_AUTH_CODES = {KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError.SASL_AUTHENTICATION_FAILED}
+_AUTHZ_CODES = {
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+}
 
 
 def _kafka_error(exc: BaseException) -> KafkaError | None:
@@ -120,6 +151,7 @@ def retry_transient(fn: Callable, timeout: float = 30.0, what: str = "", interva
         try:
             return fn()
         except (KafkaException, KafkaClientError) as exc:
+            raise_if_auth_failed(what)
             if not is_transient(exc) or time.monotonic() + delay > deadline:
                 raise
             now = time.monotonic()
@@ -150,7 +182,11 @@ def _partitions_of(client, topic: str, timeout: float) -> list[int]:
         _raise_kafka(exc, f"metadata of {topic}")
     if meta is None or meta.error is not None or not meta.partitions:
         code = meta.error if meta is not None and meta.error is not None else KafkaError(KafkaError._UNKNOWN_TOPIC)
-        raise KafkaClientError(f"topic {topic} is not available ({code}); run `rlstream topics create`", code)
+        if code.code() in _AUTHZ_CODES:
+            raise TopicError(
+                f"not authorized for topic {topic} ({code}): grant this principal ACLs (docs/security.md)", code
+            )
+        raise TopicError(f"topic {topic} is not available ({code}); run `rlstream topics create`", code)
     return sorted(meta.partitions)
 
 
@@ -275,6 +311,7 @@ class Producer:
             try:
                 return self.flush(min(10.0, max(0.1, deadline - time.monotonic())))
             except DeliveryError as exc:
+                raise_if_auth_failed(what)
                 if exc.kafka_error is not None or time.monotonic() >= deadline:
                     raise
                 log.warning("waiting for the broker to acknowledge %s", kv(what=what, queued=self.pending()))
@@ -355,7 +392,7 @@ class Consumer:
             self._conf["group.id"] = group_id
         elif "group.id" not in self._conf:
             # librdkafka needs a group id even for assign()-only use; it is never committed to.
-            self._conf["group.id"] = f"rlstream-nogroup-{id(self)}"
+            self._conf["group.id"] = f"{ASSIGN_ONLY_GROUP_PREFIX}{id(self)}"
         self._client: _Consumer | None = None
         self._assigned: set[TP] = set()
         self._paused: set[TP] = set()
@@ -456,11 +493,19 @@ class Consumer:
 
     def watermarks(self, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
         """(low, high) offsets, retrying while a fresh topic's leader is not known yet."""
-        fn = self._c().get_watermark_offsets
-        tp = TopicPartition(topic, partition)
-        return retry_transient(
-            lambda: self._call("watermarks", fn, tp, timeout=min(10.0, timeout)), timeout, f"watermarks {topic}"
-        )
+        fn, tp = self._c().get_watermark_offsets, TopicPartition(topic, partition)
+
+        def once():
+            try:
+                return self._call("watermarks", fn, tp, timeout=min(10.0, timeout))
+            except ConsumeError as exc:
+                if exc.kafka_error is not None and exc.kafka_error.code() in _UNKNOWN_TOPIC_CODES:
+                    _partitions_of(
+                        self._c(), topic, min(10.0, timeout)
+                    )  # the real reason: not there yet, or not allowed
+                raise
+
+        return retry_transient(once, timeout, f"watermarks {topic}")
 
     def partitions(self, topic: str, timeout: float = 30.0) -> list[int]:
         """Partition ids of ``topic``; KafkaClientError if it does not exist."""
@@ -517,6 +562,7 @@ class Consumer:
         if err.code() == KafkaError._PARTITION_EOF:
             return msg if self._conf.get("enable.partition.eof") else None
         if not err.fatal() and (err.retriable() or err.code() in _TRANSIENT_CODES - _UNKNOWN_TOPIC_CODES):
+            raise_if_auth_failed(f"consume from {msg.topic()}")
             now = time.monotonic()
             if now - self._last_transient > 10:  # librdkafka reconnects by itself; say so now and then
                 log.warning("kafka unavailable, riding it out %s", kv(error=err))

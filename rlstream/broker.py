@@ -5,7 +5,15 @@ run from jars that Maven resolves from Maven Central (``infra/kafka/pom.xml``; c
 ``~/.m2``, never committed). The first start downloads; later starts reuse a cached classpath.
 
 Files in ``data_dir``: ``server.properties``, ``logs/`` (Kafka's data), ``broker.log``,
-``broker.pid`` and ``broker.json`` (pid, ports, bootstrap). Stop is by that PID only.
+``broker.pid`` and ``broker.json`` (pid, ports, bootstrap, security). Stop is by that PID only.
+
+``broker.security = "sasl_ssl"`` (docs/security.md) starts it secured: the client listener is
+SASL_SSL with SCRAM-SHA-512 users from ``broker.users`` (created when the storage is formatted, and
+brought in line at every start), TLS with a certificate signed by a CA generated at the first
+start (``data_dir/tls``; ``tls/ca.pem`` is what clients give as ``ssl.ca.location``), and
+StandardAuthorizer with nothing allowed without an ACL (``admin`` is the super user). Inter-broker
+traffic uses the same listener as ``admin``; the controller listener stays on ``host`` with
+SASL/PLAIN for ``admin`` only (a PLAINTEXT one would make the anonymous principal a super user).
 
 This is for development, tests and the demo. Production clusters are run by Kafka's own tooling.
 """
@@ -27,6 +35,7 @@ from pathlib import Path
 from pipeline.errors import BrokerError
 from pipeline.log import kv
 from pipeline.ports import free_port, pid_alive, port_open
+from rlstream.broker_security import SCRAM_MECHANISM, BrokerSecurity
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -103,35 +112,7 @@ def classpath(progress=print) -> str:
     return cp_file.read_text().strip()
 
 
-KAFKA_TOOLS = {
-    "consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
-    "topics": "org.apache.kafka.tools.TopicCommand",
-    "console-consumer": "org.apache.kafka.tools.consumer.ConsoleConsumer",
-    "get-offsets": "org.apache.kafka.tools.GetOffsetShell",
-    "transactions": "org.apache.kafka.tools.TransactionsCommand",
-    "log-dirs": "org.apache.kafka.tools.LogDirsCommand",
-}
-
-
-def kafka_tool_argv(name: str, args: list[str]) -> list[str]:
-    """argv that runs one of Kafka's own CLI tools (same jars as the local broker)."""
-    if name not in KAFKA_TOOLS:
-        raise BrokerError(f"unknown Kafka tool {name!r}; known: {', '.join(sorted(KAFKA_TOOLS))}")
-    _java_version()
-    quiet = CACHE_DIR / "log4j2-tools.properties"
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    quiet.write_text("status = error\nrootLogger.level = WARN\n")
-    return [
-        shutil.which("java"),
-        f"-Dlog4j2.configurationFile={quiet}",
-        "-cp",
-        classpath(lambda m: None),
-        KAFKA_TOOLS[name],
-        *args,
-    ]
-
-
-class LocalBroker:
+class LocalBroker(BrokerSecurity):
     """Start, stop and inspect one local KRaft broker. ``cfg`` is a BrokerConfig."""
 
     def __init__(self, cfg):
@@ -140,6 +121,15 @@ class LocalBroker:
         self.pidfile = self.data_dir / "broker.pid"
         self.statefile = self.data_dir / "broker.json"
         self.logfile = self.data_dir / "broker.log"
+        self.tls_dir = self.data_dir / "tls"
+        self.ca_file = self.tls_dir / "ca.pem"
+        """The CA that signed the broker's certificate (``ssl.ca.location`` of its clients)."""
+        self.formatfile = self.data_dir / "security.json"
+        """The security mode (and SCRAM users) the storage was formatted with."""
+
+    @property
+    def secured(self) -> bool:
+        return self.cfg.security == "sasl_ssl"
 
     # -- status ------------------------------------------------------------------------------
     def state(self) -> dict | None:
@@ -150,17 +140,33 @@ class LocalBroker:
         s = self.state()
         return s["bootstrap"] if s else None
 
+    def client_conf(self, user: str = "admin", password: str | None = None) -> dict[str, str]:
+        """librdkafka settings (for ``kafka.common``) of a client of this broker that is ``user``
+        (password from ``broker.users`` unless given). Empty for a ``plaintext`` broker."""
+        if not self.secured:
+            return {}
+        if password is None and user not in self.cfg.users:
+            raise BrokerError(f"no password for user {user!r}: not in broker.users")
+        return {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": SCRAM_MECHANISM,
+            "sasl.username": user,
+            "sasl.password": password if password is not None else self.cfg.users[user],
+            "ssl.ca.location": str(self.ca_file),
+        }
+
     # -- start -------------------------------------------------------------------------------
     def _properties(self, port: int, controller_port: int) -> str:
         host = self.cfg.host
+        listener = "SASL_SSL" if self.secured else "PLAINTEXT"
         props = {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@{host}:{controller_port}",
-            "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+            "listeners": f"{listener}://{host}:{port},CONTROLLER://{host}:{controller_port}",
+            "advertised.listeners": f"{listener}://{host}:{port}",
             "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
+            "inter.broker.listener.name": listener,
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "log.dirs": str(self.data_dir / "logs"),
             "num.partitions": "1",
@@ -184,8 +190,10 @@ class LocalBroker:
             "delete.topic.enable": "true",
             "transaction.abort.timed.out.transaction.cleanup.interval.ms": "5000",
             "transaction.remove.expired.transaction.cleanup.interval.ms": "60000",
-            **self.cfg.properties,
         }
+        if self.secured:
+            props.update(self._security_properties())
+        props.update(self.cfg.properties)
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
     def start(self, progress=print) -> dict:
@@ -198,6 +206,9 @@ class LocalBroker:
         cp = classpath(progress)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
+        formatted = (self.data_dir / "logs" / "meta.properties").is_file()
+        if formatted:
+            self._check_format()
         port = self.cfg.port or self._previous_port() or free_port(self.cfg.host)
         if port_open(self.cfg.host, port):
             raise BrokerError(
@@ -205,16 +216,21 @@ class LocalBroker:
                 "or 0 to pick a free one (or point kafka.bootstrap_servers at that broker)"
             )
         controller_port = free_port(self.cfg.host)
+        if self.secured:
+            self._ensure_tls(progress)
         props_file = self.data_dir / "server.properties"
+        props_file.touch(mode=0o600)  # holds passwords when secured
         props_file.write_text(self._properties(port, controller_port))
         log4j = self.data_dir / "log4j2.properties"
         log4j.write_text(LOG4J2.format(log=self.data_dir / "kafka-server.log"))
         java = [shutil.which("java"), f"-Dlog4j2.configurationFile={log4j}", "-cp", cp]
-        if not (self.data_dir / "logs" / "meta.properties").is_file():
+        if not formatted:
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             progress(f"formatting storage in {self.data_dir / 'logs'}")
+            self._write_format_record()  # first: a format cut short is redone at the next start
             fmt = subprocess.run(
-                [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)],
+                [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)]
+                + (self._scram_args() if self.secured else []),
                 capture_output=True,
                 text=True,
             )
@@ -245,7 +261,16 @@ class LocalBroker:
             "bootstrap": f"{self.cfg.host}:{port}",
             "data_dir": str(self.data_dir),
             "started_at": time.time(),
+            "security": self.cfg.security,
         }
+        if self.secured:
+            state.update(
+                security_protocol="SASL_SSL",
+                sasl_mechanism=SCRAM_MECHANISM,
+                ca_location=str(self.ca_file),
+                users=sorted(self.cfg.users),
+                admin_properties=str(self._write_admin_properties()),
+            )
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while not self._ready(port):
             if proc.poll() is not None:
@@ -259,11 +284,17 @@ class LocalBroker:
                     f"broker did not accept connections within {self.cfg.start_timeout_s}s; see {self.logfile}"
                 )
             time.sleep(0.2)
+        if self.secured and formatted:  # a fresh format already holds every user
+            self._sync_users(port, proc.pid)
         self.statefile.write_text(json.dumps(state, indent=2))
         (self.data_dir / "last-port").write_text(str(port))
         state["start_s"] = round(time.monotonic() - t0, 2)
-        log.info("broker started %s", kv(pid=proc.pid, bootstrap=state["bootstrap"], start_s=state["start_s"]))
-        progress(f"broker running: pid {proc.pid} at {state['bootstrap']} (started in {state['start_s']}s)")
+        log.info(
+            "broker started %s",
+            kv(pid=proc.pid, bootstrap=state["bootstrap"], security=self.cfg.security, start_s=state["start_s"]),
+        )
+        secured = f", SASL_SSL/{SCRAM_MECHANISM}, CA {self.ca_file}" if self.secured else ""
+        progress(f"broker running: pid {proc.pid} at {state['bootstrap']}{secured} (started in {state['start_s']}s)")
         return state
 
     def _previous_port(self) -> int | None:
@@ -275,12 +306,15 @@ class LocalBroker:
         return None if port_open(self.cfg.host, port) else port
 
     def _ready(self, port: int) -> bool:
+        """The broker answers a metadata request (as admin over SASL_SSL when secured)."""
         if not port_open(self.cfg.host, port, timeout=0.2):
             return False
         from pipeline.admin import Admin
 
         try:
-            Admin({"bootstrap.servers": f"{self.cfg.host}:{port}"}, timeout=2).list_topics()
+            Admin(
+                {"bootstrap.servers": f"{self.cfg.host}:{port}", **self.client_conf("admin")}, timeout=2
+            ).list_topics()
             return True
         except Exception:  # not ready yet
             return False

@@ -102,7 +102,7 @@ def broker_logs(lines: int = typer.Option(50, "--lines", "-n"), config: ConfigOp
 def kafka_tool(
     ctx: typer.Context,
     name: str = typer.Argument(
-        help="consumer-groups | topics | console-consumer | get-offsets | transactions | log-dirs"
+        help="consumer-groups | topics | console-consumer | get-offsets | transactions | log-dirs | acls | configs"
     ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -113,13 +113,13 @@ def kafka_tool(
     """
     import subprocess
 
-    from rlstream.broker import kafka_tool_argv
+    from rlstream.kafka_tools import kafka_tool_argv
 
     cfg = load(config, set_)
     args = list(ctx.args)
     if "--bootstrap-server" not in args:
         args = ["--bootstrap-server", cfg.kafka.bootstrap_servers, *args]
-    raise typer.Exit(subprocess.run(kafka_tool_argv(name, args)).returncode)
+    raise typer.Exit(subprocess.run(kafka_tool_argv(name, args, cfg.kafka.common)).returncode)
 
 
 # ---- topics and config ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ Roles receive the resolved root ``Config`` and read ``kafka``, ``topics``, ``rl`
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +50,30 @@ class BrokerConfig(StrictModel):
     """How long `broker start` waits for the broker to accept connections."""
     properties: dict[str, str] = Field(default_factory=dict)
     """Extra server.properties entries, overriding the built-in ones."""
+    security: Literal["plaintext", "sasl_ssl"] = "plaintext"
+    """``plaintext``: no authentication, no TLS, no ACLs. ``sasl_ssl``: one SASL_SSL listener
+    (SCRAM-SHA-512 over TLS with a CA generated in ``data_dir/tls``), ACLs enforced (nothing is
+    allowed without one) and ``users.admin`` as the super user (docs/security.md). Fixed when the
+    data dir is first formatted."""
+    users: dict[str, str] = Field(default_factory=dict, max_length=1000)
+    """SCRAM-SHA-512 users of the ``sasl_ssl`` broker, name -> password (``admin`` is required:
+    the super user the broker itself and ``topics create`` use). Created when the data dir is
+    formatted; users added or passwords changed later are applied at the next start (except
+    admin's). Names: letters, digits, ``._-``; passwords: 8-256 characters without ``,`` ``"``
+    ``\\`` or whitespace. Plain text in the config: fine for a development broker only."""
+
+    @model_validator(mode="after")
+    def _check_users(self):
+        for name, password in self.users.items():
+            if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name):
+                raise ValueError(f"broker.users: user name {name!r} must be 1-128 of letters, digits, '.', '_', '-'")
+            if not re.fullmatch(r'[^,"\\\s]{8,256}', password):
+                raise ValueError(
+                    f"broker.users.{name}: the password must be 8-256 characters without ',', '\"', '\\' or whitespace"
+                )
+        if self.security == "sasl_ssl" and "admin" not in self.users:
+            raise ValueError('broker.security = "sasl_ssl" needs broker.users.admin (the super user)')
+        return self
 
 
 class Config(StrictModel):

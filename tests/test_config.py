@@ -70,3 +70,17 @@ def test_partial_union_table_keeps_default_type():
     assert cfg.model.type == "pretrained"
     with pytest.raises(ConfigError, match=r"model\.pretrained\.hidden_size"):
         load_config(overrides=['model.type="pretrained"', 'model.path="/m"', "model.hidden_size=3"], environ={})
+
+
+def test_resolved_config_files_never_hold_secrets(tmp_path):
+    from pipeline.config import write_resolved
+
+    cfg = load_config(
+        None,
+        ['kafka.common={"sasl.password" = "pw-123", "sasl.username" = "u"}', 'broker.users={admin = "adminpw-1"}',
+         'rollout.engine={type = "openai", api_key = "sk-1"}', "rollout.max_new_tokens=7"],
+        environ={},
+    )  # fmt: skip
+    text = write_resolved(cfg, tmp_path, "x").read_text()
+    assert "pw-123" not in text and "adminpw-1" not in text and "sk-1" not in text
+    assert '"sasl.username" = "u"' in text and "max_new_tokens = 7" in text  # only the secrets go

@@ -114,7 +114,7 @@ def test_metrics_publish_to_topic_and_prometheus(make_config):
 
 
 def test_prometheus_endpoint_serves_metrics():
-    from rlstream.broker import free_port
+    from pipeline.ports import free_port
 
     port = free_port()
     m = WorkerMetrics("trainer", "t0", prometheus_port=port)

@@ -11,7 +11,7 @@ from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.errors import DecodeError, DeliveryError
 from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
-from rlstream.broker import pid_alive
+from pipeline.ports import pid_alive
 from tests.conftest import run_cli
 from tests.helpers import murmur2_partition
 from tests.test_codec import make_trajectory

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rlstream.broker import pid_alive
+from pipeline.ports import pid_alive
 from rlstream.supervisor import ChildDied, Supervisor
 
 

@@ -23,9 +23,8 @@ import time
 
 from consumers.reward.metrics import RewardMetrics
 from consumers.reward.pool import make_pool
-from pipeline.admin import Admin
 from pipeline.control import now_ms
-from pipeline.errors import DecodeError, KafkaClientError, TopicError
+from pipeline.errors import DecodeError, KafkaClientError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message, next_offsets
 from pipeline.log import kv
 from pipeline.records import check_trajectory
@@ -64,15 +63,13 @@ class RewardWorker(Worker):
         return conf
 
     def _check_topics(self) -> None:
-        """Wait (up to ``liveness.startup_timeout_s``) for the topics; TopicError names the missing ones."""
-        admin = Admin(client_conf(self.cfg, "reward-admin", self.worker_id), self.cfg.kafka.request_timeout_s)
-        wanted = {self.topic_in, self.topic_out, self.topic_dlq, self.topic_metrics}
-        deadline = time.monotonic() + self.liveness.startup_timeout_s
-        while missing := wanted - admin.list_topics():
-            if time.monotonic() > deadline:
-                raise TopicError(f"topic(s) missing: {', '.join(sorted(missing))} (run `rlstream topics create`)")
-            log.warning("waiting for topics (run `rlstream topics create`) %s", kv(missing=",".join(sorted(missing))))
-            time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+        """Wait (up to ``liveness.startup_timeout_s``) for the topics to exist; TopicError names a
+        missing one, or one this principal may not use."""
+        with Consumer(client_conf(self.cfg, "reward-check", self.worker_id, "consumer")) as probe:
+            for topic in (self.topic_in, self.topic_out, self.topic_dlq, self.topic_metrics):
+                self.startup_call(
+                    lambda t=topic: probe.partitions(t, self.cfg.kafka.request_timeout_s), f"topic {topic}"
+                )
 
     def setup(self) -> None:
         cfg, rc = self.cfg, self.rc
