@@ -134,7 +134,7 @@ def test_failures_go_to_dlq_in_the_same_transaction_as_their_scored_neighbours(m
     last = events[-1][1]["metrics"]
     assert last["task.copy.count"] == 5 and last["task.copy.reward_mean"] == 1.0
     assert last["task.copy.reward_le_1"] == 5 and last["task.copy.reward_le_0.5"] == 0
-    assert last["dlq.reward_timeout"] == 1 and last["dlq.decode"] == 1 and last["consumed"] == 9
+    assert last["dead_letters.reward_timeout"] == 1 and last["dead_letters.decode"] == 1 and last["consumed"] == 9
     assert "consumed_rate" in last
     assert 'rlstream_task_copy_count{role="reward",worker="w-dlq"} 5.0' in body
     resolved = cfg.run_dir / "reward-w-dlq.resolved.toml"

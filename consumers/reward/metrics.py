@@ -1,7 +1,7 @@
 """The reward worker's metrics on top of the shared ``pipeline.metrics.WorkerMetrics``.
 
 Recorded only for committed transactions: ``consumed`` (with ``consumed_rate``, trajectories/s),
-``scored``, ``dlq`` and ``dlq.<error_type>``, ``transactions``, ``txn_aborts``; per task
+``scored``, ``dead_letters`` and ``dead_letters.<error_type>``, ``transactions``, ``txn_aborts``; per task
 ``task.<task>.count``, ``task.<task>.reward_mean`` (since start), ``task.<task>.reward_le_<b>``
 (cumulative histogram buckets) and the window stats of ``task.<task>.reward`` (count, mean, p50,
 p90, max); ``verifier_latency_ms`` and ``txn_ms`` windows. Publishing (a MetricEvent keyed
@@ -60,8 +60,8 @@ class RewardMetrics:
             m.observe(f"task.{task}.reward", reward)
             m.observe("verifier_latency_ms", ms)
         for error_type, ms in dead:
-            m.inc("dlq")
-            m.inc(f"dlq.{error_type}")
+            m.inc("dead_letters")
+            m.inc(f"dead_letters.{error_type}")
             if ms:
                 m.observe("verifier_latency_ms", ms)
         self.last_commit_at = time.monotonic()

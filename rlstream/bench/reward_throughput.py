@@ -93,7 +93,7 @@ def run_case(bootstrap: str, name: str, kind: str, n: int, sets: list[str], run_
         "trajectories_per_s": round(m.counters.get("consumed", 0) / elapsed, 1) if elapsed > 0 else None,
         "mean_reward": round(m.m.gauges.get(f"task.{kind}.reward_mean", float("nan")), 3),
         "transactions": int(m.counters.get("transactions", 0)),
-        "dlq": int(m.counters.get("dlq", 0)),
+        "dlq": int(m.counters.get("dead_letters", 0)),
     }
 
 
