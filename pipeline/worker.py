@@ -36,7 +36,7 @@ from typing import Any
 
 from pipeline.config import write_resolved
 from pipeline.control import now_ms
-from pipeline.kafka import retry_transient
+from pipeline.kafka import retry_transient, wedged_clients
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
@@ -215,6 +215,14 @@ class Worker:
                 restore()
                 if self.watchdog is not None:
                     self.watchdog.close()
+        if self.watchdog is not None and wedged_clients():
+            # A librdkafka client had to be abandoned (stuck in a call for good): destroying it at
+            # interpreter exit could block, so this process ends here, cleanly, after its output.
+            log.info("exiting without interpreter teardown %s", kv(abandoned_kafka_clients=wedged_clients()))
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            logging.shutdown()
+            os._exit(0)
         return self.result()
 
     def start(self) -> None:

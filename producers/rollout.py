@@ -101,7 +101,8 @@ class RolloutWorker(Worker):
         if self.weights.catch_up(self.liveness.startup_timeout_s) is not None and self.weights.pending:
             self.weights.wait_loadable(self.liveness.slow_op_s)
             self._load()
-        self.consumer = Consumer(client_conf(cfg, "rollout", wid, kind="consumer"), group_id=self.rc.group_id)
+        cconf = {**client_conf(cfg, "rollout", wid, kind="consumer"), "on_commit": self._on_commit}
+        self.consumer = Consumer(cconf, group_id=self.rc.group_id)
         self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
         self.consumer.subscribe([self.topics["prompts"]], on_revoke=self._on_revoke, on_lost=self._on_lost)
         self._last_work = time.monotonic()  # idle time counts from here, not from construction
@@ -384,6 +385,10 @@ class RolloutWorker(Worker):
 
     # -- commits and rebalances ------------------------------------------------------------------
     def _commit(self, force: bool = False, tps=None) -> None:
+        """Commit what the ledger allows. In the loop (``force`` False) asynchronously, at most every
+        0.2 s: a synchronous commit can block for a whole session timeout during a rebalance or a
+        broker outage, and the loop must keep going; results arrive in ``_on_commit``. ``force``
+        (revoke, finish) commits synchronously, so the offsets are in before partitions go."""
         if not force and time.monotonic() - self._last_commit < 0.2:
             return
         self._last_commit = time.monotonic()
@@ -392,21 +397,34 @@ class RolloutWorker(Worker):
         todo = {tp: off for tp, off in self.to_commit.items() if tps is None or tp in tps}
         if not todo:
             return
+        offsets = [TopicPartition(t, p, off) for (t, p), off in todo.items()]
+        if not force:
+            self.consumer.commit(offsets, asynchronous=True)
+            return
         try:
-            self.consumer.commit([TopicPartition(t, p, off) for (t, p), off in todo.items()])
-        except ConsumeError as exc:  # e.g. REBALANCE_IN_PROGRESS, broker away: keep the offsets, retry soon
+            with self.section("commit", self.cfg.kafka.request_timeout_s + 30):
+                self.consumer.commit(offsets)
+        except ConsumeError as exc:  # e.g. REBALANCE_IN_PROGRESS: the partition's next owner re-generates
+            self.metrics.inc("commit_errors")
+            log.warning("final commit failed %s", kv(error=exc, offsets=sorted((tp[1], o) for tp, o in todo.items())))
+            return
+        self._committed(todo)
+
+    def _on_commit(self, err, partitions) -> None:
+        """Result of an asynchronous commit (served inside consume): forget what is in; keep the rest."""
+        if err is not None:
             self._commit_failures += 1
             self.metrics.inc("commit_errors")
-            if exc.fatal or self._commit_failures * 0.2 > self.liveness.outage_s:
-                raise
             if self._commit_failures % 25 == 1:
-                log.warning("commit failed, will retry %s", kv(error=exc, failures=self._commit_failures))
+                log.warning("commit failed, will retry %s", kv(error=err, failures=self._commit_failures))
             return
         self._commit_failures = 0
-        for tp, off in todo.items():
-            if self.to_commit.get(tp) == off:
+        self._committed({(tp.topic, tp.partition): tp.offset for tp in partitions if tp.error is None})
+
+    def _committed(self, done: dict) -> None:
+        for tp, off in done.items():
+            if self.to_commit.get(tp, off + 1) <= off:
                 del self.to_commit[tp]
-        log.debug("committed %s", kv(offsets=sorted((tp[1], off) for tp, off in todo.items())))
 
     def _drain(self, pred) -> None:
         """Finish every admitted sample of partitions matching ``pred``, wait for their acks, commit."""

@@ -229,7 +229,7 @@ class LocalBroker(BrokerSecurity):
             progress(f"formatting storage in {self.data_dir / 'logs'}")
             self._write_format_record()  # first: a format cut short is redone at the next start
             fmt = subprocess.run(
-                [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)]
+                [*java, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(props_file)]
                 + (self._scram_args() if self.secured else []),
                 capture_output=True,
                 text=True,

@@ -340,6 +340,36 @@ def demo(
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
+@app.command()
+def chaos(
+    size: str = typer.Option("tiny", "--size", help="tiny (CI, ~3-5 min) | full (the documented run, 20-40 min)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and the bad records."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/chaos-<id>)."),
+    bootstrap: str | None = typer.Option(None, "--bootstrap", help="Use this Kafka (then no broker restarts)."),
+    groups: int | None = typer.Option(None, "--groups", help="Groups fed (a multiple of G and 10)."),
+    duration: float | None = typer.Option(None, "--duration", help="Seconds of the chaos phase."),
+    kills: int | None = typer.Option(None, "--kills", help="kill -9s in all (trainer and feed ones included)."),
+    trainer_kills: int | None = typer.Option(None, "--trainer-kills"),
+    feed_kills: int | None = typer.Option(None, "--feed-kills"),
+    broker_restarts: int | None = typer.Option(None, "--broker-restarts"),
+    joins: int | None = typer.Option(None, "--joins", help="Join/leave cycles of a rollout and a reward worker."),
+    fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
+    drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
+    keep_data: bool = typer.Option(False, "--keep-data", help="Keep the broker's data in the run dir."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """A fault run: the real roles under kill -9, broker restarts, joins/leaves and bad records, then
+    drained and audited from the topics. Prints one verdict line; exit 0 on PASS."""
+    if size not in ("tiny", "full"):
+        raise typer.BadParameter("--size must be tiny or full")
+    from rlstream.chaos import ChaosOptions, run
+
+    opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
+                        broker_restarts, joins, fuzz, drain, keep_data=keep_data)  # fmt: skip
+    raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
+
+
 BENCHMARKS = ("async", "transport", "weights", "scaling")
 
 

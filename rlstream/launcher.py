@@ -4,7 +4,9 @@ as supervised ``rlstream`` processes, with a live view, restarts, and a report a
 Steps (each a method of ``Launcher``): ``prepare`` (topics, the model built once, the resolved
 config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
 refresh lags, restart dead or hung roles, stop when the trainer finishes) → ``stop_roles`` →
-``write_report``. A role counts as hung when its process is alive but has published no
+``write_report``. ``run(tick=...)`` calls ``tick()`` once per watch round, so a caller can act on
+the live run (``rlstream chaos`` injects its faults there and adds roles with ``add_role``); a
+string it returns ends the watch with that status. A role counts as hung when its process is alive but has published no
 MetricEvent for ``hang_after_s`` after its first one (its own watchdog normally catches hangs
 first and exits, see ``pipeline.worker``); it is SIGKILLed and restarted like a dead one.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,9 +79,15 @@ def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_
 
 
 class Launcher:
-    def __init__(self, cfg, run_dir: Path, roles: list[RoleSpec], *, title: str, live: bool, console):
-        self.cfg, self.run_dir, self.roles = cfg, Path(run_dir), roles
+    def __init__(
+        self, cfg, run_dir: Path, roles: list[RoleSpec], *, title: str, live: bool, console,
+        policy: RestartPolicy | None = None,
+    ):  # fmt: skip
+        self.cfg, self.run_dir, self.roles = cfg, Path(run_dir), list(roles)
         self.title, self.live, self.console = title, live, console
+        self.policy = policy or RestartPolicy()
+        self.sup: Supervisor | None = None
+        self.config_path: Path | None = None
         self.progress = Progress()
         self.lags: dict[str, int] = {}
         self.report: dict = {}
@@ -100,17 +109,28 @@ class Launcher:
         materialize(self.cfg.model)
         path = self.run_dir / "config.toml"
         path.write_text(dump_toml(self.cfg))
+        self.config_path = path
         return path
 
     def start_roles(self, sup: Supervisor, config_path: Path) -> None:
-        prom = {"rollout": "rollout", "reward": "reward", "train": "trainer"}
         for r in self.roles:
-            sets = [*r.sets, *([f"{prom[r.command]}.prometheus_port={r.metrics_port}"] if r.metrics_port else [])]
-            args = [r.command, "--config", str(config_path), *(x for s in sets for x in ("--set", s))]
-            sup.start(r.name, args, may_exit=r.may_exit)
+            self.start_role(sup, r, config_path)
 
-    def run(self) -> dict:
-        """The whole run; returns the report (``status`` is ``ok``, ``interrupted`` or ``failed: ...``)."""
+    def start_role(self, sup: Supervisor, r: RoleSpec, config_path: Path) -> None:
+        prom = {"rollout": "rollout", "reward": "reward", "train": "trainer"}
+        sets = [*r.sets, *([f"{prom[r.command]}.prometheus_port={r.metrics_port}"] if r.metrics_port else [])]
+        args = [r.command, "--config", str(config_path), *(x for s in sets for x in ("--set", s))]
+        sup.start(r.name, args, may_exit=r.may_exit)
+
+    def add_role(self, r: RoleSpec) -> None:
+        """Start one more role in the running pipeline (watched for hangs like the others)."""
+        self.roles.append(r)
+        self._worker_of[self._worker_id(r)] = r.name
+        self.start_role(self.sup, r, self.config_path)
+
+    def run(self, tick=None) -> dict:
+        """The whole run; returns the report (``status`` is ``ok``, ``interrupted`` or ``failed: ...``).
+        ``tick``: called once per watch round; a string it returns ends the run with that status."""
         config_path = self.prepare()
         self.console.print(
             f"run dir {self.run_dir}\ntopics  {self.cfg.topics.prefix}*  on {self.cfg.kafka.bootstrap_servers}"
@@ -123,27 +143,33 @@ class Launcher:
         status, codes = "ok", {}
         metrics = Consumer(client_conf(self.cfg, "launcher", kind="consumer"))
         metrics.assign([TopicPartition(self.cfg.topics.name("metrics"), 0, 0)])
-        admin = Admin(client_conf(self.cfg, "launcher"), self.cfg.kafka.request_timeout_s)
-        sup = Supervisor(self.run_dir / "logs", {**env, **CHILD_ENV}, RestartPolicy())
+        lags_done = threading.Event()
+        lags = threading.Thread(target=self._watch_lags, args=(lags_done,), name="lags", daemon=True)
+        sup = self.sup = Supervisor(self.run_dir / "logs", {**env, **CHILD_ENV}, self.policy)
         try:
             self.start_roles(sup, config_path)
-            status = self.watch(sup, metrics, admin)
+            lags.start()
+            status = self.watch(sup, metrics, tick)
         finally:
+            lags_done.set()
             codes = sup.stop_all(timeout=self.cfg.liveness.shutdown_timeout_s + 10)
             self._drain_metrics(metrics, 1.0)
             metrics.close()
-            admin.close()
+            if lags.is_alive():
+                lags.join(timeout=self.cfg.kafka.request_timeout_s)
         self.report.update(status=status, exit_codes=codes, restarts=self._restarts, restarts_total=sup.restarts_total)
         return self.report
 
-    def watch(self, sup: Supervisor, metrics: Consumer, admin: Admin) -> str:
+    def watch(self, sup: Supervisor, metrics: Consumer, tick=None) -> str:
+        """Until the trainer finishes: fold metrics, restart dead or hung roles, show progress. Every
+        call here is short (a broker outage must not delay a restart); lags come from a thread."""
         view = None
         if self.live:
             from rich.live import Live
 
             view = Live(self._render(), console=self.console, refresh_per_second=2)
             view.start()
-        last_lag = last_print = 0.0
+        last_print = 0.0
         self._restarts: dict[str, int] = {}
         try:
             while True:
@@ -152,9 +178,6 @@ class Launcher:
                 self._check_hangs(sup)
                 self._restarts = sup.restarts()
                 now = time.monotonic()
-                if now - last_lag > 3:
-                    self._refresh_lags(admin)
-                    last_lag = now
                 if view:
                     view.update(self._render())
                 elif now - last_print > 10:
@@ -162,6 +185,8 @@ class Launcher:
                     last_print = now
                 if "trainer" in finished:
                     return "ok"
+                if tick is not None and (outcome := tick()):
+                    return outcome
         except ChildDied as exc:
             self.console.print(f"[bold red]{exc.name} died[/] (exit {exc.code}); stopping. Its log:\n{exc.log_tail}")
             return f"failed: {exc.name} exited with code {exc.code}" + (
@@ -195,7 +220,19 @@ class Launcher:
             if last > started and now - last > self.hang_after_s:  # not while (re)starting: setup may be long
                 sup.declare_hung(name, f"no metrics for {now - last:.0f} s")
 
-    def _refresh_lags(self, admin: Admin) -> None:
+    def _watch_lags(self, done: threading.Event) -> None:
+        """Thread: refresh ``self.lags`` every 3 s (admin calls may block for their timeout while the
+        broker is away; the watch loop must not)."""
+        admin = Admin(client_conf(self.cfg, "launcher"), self.cfg.kafka.request_timeout_s)
+        try:
+            while not done.wait(3.0):
+                if not self._refresh_lags(admin):  # a fresh client: seen to time out for good after a broker restart
+                    admin.close()
+                    admin = Admin(client_conf(self.cfg, "launcher"), self.cfg.kafka.request_timeout_s)
+        finally:
+            admin.close()
+
+    def _refresh_lags(self, admin: Admin) -> bool:
         cfg = self.cfg
         try:
             self.lags = {
@@ -208,6 +245,8 @@ class Launcher:
             }
         except Exception as exc:  # a display must survive a broker hiccup; the roles themselves are supervised
             log.warning("lag unavailable this round %s", kv(error=exc))
+            return False
+        return True
 
     def _render(self):
         elapsed = time.monotonic() - self.t_start

@@ -3,6 +3,13 @@ with its own log file, notice at once when one exits, restart it with backoff (r
 design: every role resumes from Kafka or its checkpoint), stop loudly on a crash loop, and stop
 them all by PID.
 
+Every start, exit (with its cause), injected signal, restart, hang and stop is an event: kept in
+``Supervisor.events`` and appended to ``<log_dir>/events.jsonl`` as it happens. An exit is
+``finished`` (exit 0 of a child that may finish), ``injected`` (after a signal sent with
+``inject``, e.g. a fault run's kill -9: restarted at the base backoff and not counted towards the
+crash-loop budget), ``hung`` (exit code 75 from a role's own watchdog, or ``declare_hung``),
+``crash`` (any other non-zero exit) or ``exited`` (exit 0 of a child that should keep running).
+
 Children never outlive the supervisor: each is told the supervisor's PID (``RLSTREAM_PARENT_PID``)
 and asks the kernel for SIGTERM when its parent dies (``pipeline.worker.die_with_parent``), so even
 a supervisor killed with ``kill -9`` leaves no orphan behind.
@@ -12,6 +19,7 @@ It is not a cluster manager: every child runs on this machine and is killed with
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -26,6 +34,7 @@ from pipeline.errors import RlstreamError
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
+EXIT_HUNG = 75  # pipeline.worker.EXIT_HUNG: a role's watchdog found it hung
 
 
 class ChildDied(RlstreamError):
@@ -63,12 +72,19 @@ class Child:
     restarts: deque = field(default_factory=deque)  # monotonic times of restarts
     restart_at: float | None = None  # pending restart (backoff)
     last_code: int | None = None
+    expect: tuple[str, int] | None = None  # (cause, signal) of a signal we sent: its exit is no crash
+    stop_deadline: float | None = None  # retiring (SIGTERM sent): SIGKILL after this
 
-    def tail(self, lines: int = 20) -> str:
+    def tail(self, lines: int = 20, skip_client_log: bool = False) -> str:
+        """The last ``lines`` lines of the child's log (``skip_client_log``: without librdkafka's own
+        ``%<level>|...`` lines, which repeat every failed reconnect while a broker is away)."""
         try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+            text = self.log_path.read_text(errors="replace").splitlines(keepends=True)
         except OSError:
             return ""
+        if skip_client_log:
+            text = [line for line in text[-20 * lines :] if not line.startswith("%")]
+        return "".join(text[-lines:])
 
 
 class Supervisor:
@@ -79,7 +95,23 @@ class Supervisor:
         self.env["RLSTREAM_PARENT_PID"] = str(os.getpid())
         self.policy = restart
         self.children: dict[str, Child] = {}
+        self.retiring: dict[str, Child] = {}
         self.restarts_total = 0
+        self.events: list[dict] = []
+        self.t0 = time.monotonic()
+        self._events_path = self.log_dir / "events.jsonl"
+
+    def event(self, kind: str, name: str, **fields) -> dict:
+        """Record one event (also appended to ``events.jsonl``) and return it."""
+        ev = {"t": round(time.monotonic() - self.t0, 2), "time": round(time.time(), 3), "event": kind, "name": name}
+        ev.update(fields)
+        self.events.append(ev)
+        try:
+            with open(self._events_path, "a") as f:
+                f.write(json.dumps(ev) + "\n")
+        except OSError as exc:  # the in-memory list still has it
+            log.warning("cannot append to the event log %s", kv(path=self._events_path, error=exc))
+        return ev
 
     def _spawn(self, argv: list[str], log_path: Path, env: dict) -> subprocess.Popen:
         with open(log_path, "ab") as out:
@@ -99,6 +131,7 @@ class Supervisor:
         full_env = {**self.env, **(env or {})}
         child = Child(name, argv, self._spawn(argv, log_path, full_env), log_path, full_env, may_exit)
         self.children[name] = child
+        self.event("start", name, pid=child.proc.pid)
         log.info("started %s", kv(name=name, pid=child.proc.pid, log=log_path))
         return child
 
@@ -107,6 +140,7 @@ class Supervisor:
         restart the others per the policy (none: raise ChildDied; too many: raise CrashLoop)."""
         finished = []
         now = time.monotonic()
+        self._check_retiring(now)
         for c in self.children.values():
             if c.restart_at is not None:
                 if now >= c.restart_at:
@@ -115,18 +149,43 @@ class Supervisor:
             code = c.proc.poll()
             if code is None:
                 continue
-            if c.may_exit and code == 0:
+            if c.may_exit and code == 0:  # done (also if it finished just before a signal we sent)
+                c.expect = None
+                if c.last_code != 0:  # once per finish: check() keeps reporting a finished child
+                    c.last_code = 0
+                    self.event("exit", c.name, pid=c.proc.pid, code=0, cause="finished")
                 finished.append(c.name)
             else:
                 self._died(c, code, now)
         return finished
 
     def _died(self, c: Child, code: int, now: float, why: str = "") -> None:
+        injected = c.expect is not None and (code == -c.expect[1] or c.expect[1] != signal.SIGKILL)
+        if injected:
+            cause = f"injected: {c.expect[0]}"
+        elif why:
+            cause = "hung"
+        else:
+            cause = "hung" if code == EXIT_HUNG else ("crash" if code != 0 else "exited")
+        c.expect = None
+        self.event(
+            "exit", c.name, pid=c.proc.pid, code=code, cause=cause, why=why.strip(" ()") or None,
+            **({} if injected else {"log_tail": c.tail(80, skip_client_log=True)}),
+        )  # fmt: skip
         if self.policy is None:
             raise ChildDied(c.name, code, c.tail(), why)
+        if injected:  # our own fault injection: restart promptly, no crash-loop budget spent
+            c.last_code, c.restart_at = code, now + self.policy.backoff_s
+            log.info("child killed by us; restarting %s", kv(name=c.name, code=code, cause=cause))
+            with open(c.log_path, "a") as f:
+                f.write(
+                    f"\n[supervisor] {c.name} exited with code {code} ({cause}); restart in {self.policy.backoff_s:.1f} s\n"
+                )
+            return
         while c.restarts and now - c.restarts[0] > self.policy.window_s:
             c.restarts.popleft()
         if len(c.restarts) >= self.policy.max_restarts:
+            self.event("crash_loop", c.name, code=code, restarts=len(c.restarts), window_s=self.policy.window_s)
             raise CrashLoop(
                 c.name, code, c.tail(40), f"{why}; {len(c.restarts)} restarts within {self.policy.window_s:.0f} s"
             )
@@ -145,15 +204,65 @@ class Supervisor:
         c.proc = self._spawn(c.argv, c.log_path, c.env)
         c.started_at = time.monotonic()
         self.restarts_total += 1
+        self.event("restart", c.name, pid=c.proc.pid, restarts=len(c.restarts))
         log.info("restarted %s", kv(name=c.name, pid=c.proc.pid, restarts=len(c.restarts)))
 
     def declare_hung(self, name: str, why: str) -> None:
         """Kill a child that stopped making progress (SIGKILL) and restart it per the policy."""
         c = self.children[name]
+        c.expect = None  # whatever we sent before, this one is hung
         if c.proc.poll() is None:
             os.kill(c.proc.pid, signal.SIGKILL)
             c.proc.wait()
         self._died(c, c.proc.returncode, time.monotonic(), f" (hung: {why})")
+
+    def inject(self, name: str, sig: int = signal.SIGKILL, cause: str = "kill -9") -> int | None:
+        """Send ``sig`` to a running child as a deliberate fault: its exit is recorded as ``injected``
+        (not a crash) and it is restarted at the policy's base backoff without spending its
+        crash-loop budget. Returns the PID signalled, or None if the child is not running now."""
+        c = self.children.get(name)
+        if c is None or c.restart_at is not None or c.expect is not None or c.proc.poll() is not None:
+            return None  # not running, or a signal of ours is already on its way
+        c.expect = (cause, sig)
+        os.kill(c.proc.pid, sig)
+        self.event("signal", name, pid=c.proc.pid, signal=signal.Signals(sig).name, cause=cause)
+        return c.proc.pid
+
+    def retire(self, name: str, timeout: float, cause: str = "retired") -> int | None:
+        """Stop a child for good without waiting here: SIGTERM now; ``check`` records its exit, or
+        SIGKILLs it ``timeout`` s later (a ``stop_timeout`` event). Returns the PID, or None."""
+        c = self.children.get(name)
+        if c is None or c.restart_at is not None or c.proc.poll() is not None:
+            return None
+        del self.children[name]
+        c.stop_deadline = time.monotonic() + timeout
+        c.expect = (cause, signal.SIGTERM)
+        os.kill(c.proc.pid, signal.SIGTERM)
+        self.event("signal", name, pid=c.proc.pid, signal="SIGTERM", cause=cause)
+        self.retiring[name] = c
+        return c.proc.pid
+
+    def _check_retiring(self, now: float) -> None:
+        for name, c in list(self.retiring.items()):
+            code = c.proc.poll()
+            if code is None and now < c.stop_deadline:
+                continue
+            if code is None:
+                self._force_stop(c, c.stop_deadline - now)
+            else:
+                self.event("stopped", name, pid=c.proc.pid, code=code, cause=c.expect[0] if c.expect else "stop")
+            del self.retiring[name]
+
+    def _force_stop(self, c: Child, waited: float) -> None:
+        log.warning("child did not stop in time; killing %s", kv(name=c.name, pid=c.proc.pid))
+        tail = c.tail(80, skip_client_log=True)
+        try:
+            os.kill(c.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.proc.wait()
+        self.event("stop_timeout", c.name, pid=c.proc.pid, code=c.proc.returncode, waited_s=round(waited, 1),
+                   log_tail=tail)  # fmt: skip
 
     def restarts(self) -> dict[str, int]:
         return {n: len(c.restarts) for n, c in self.children.items() if c.restarts}
@@ -174,9 +283,9 @@ class Supervisor:
             try:
                 c.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("child ignored SIGTERM; killing %s", kv(name=name, pid=c.proc.pid))
-                os.kill(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
+                self._force_stop(c, timeout)
+                return c.proc.returncode
+            self.event("stopped", name, pid=c.proc.pid, code=c.proc.returncode, cause="stop")
         return c.proc.returncode
 
     def kill9(self, name: str) -> None:
@@ -184,13 +293,16 @@ class Supervisor:
         c = self.children.pop(name)
         os.kill(c.proc.pid, signal.SIGKILL)
         c.proc.wait()
+        self.event("killed", name, pid=c.proc.pid, code=c.proc.returncode, cause="kill9")
 
     def stop_all(self, timeout: float = 40.0) -> dict[str, int | None]:
         """SIGTERM everyone first (so they shut down in parallel), then wait, then SIGKILL."""
+        running = set()
         for c in self.children.values():
             if c.proc.poll() is None:
                 try:
                     os.kill(c.proc.pid, signal.SIGTERM)
+                    running.add(c.name)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + timeout
@@ -200,11 +312,20 @@ class Supervisor:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("child did not stop in time; killing %s", kv(name=name, pid=c.proc.pid))
-                os.kill(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
+                self._force_stop(c, timeout)
+            else:
+                if name in running:
+                    self.event("stopped", name, pid=c.proc.pid, code=c.proc.returncode, cause="stop_all")
             codes[name] = c.proc.returncode
         self.children.clear()
+        for name, c in list(self.retiring.items()):  # retired earlier, not gone yet
+            try:
+                c.proc.wait(max(0.1, c.stop_deadline - time.monotonic()))
+                self.event("stopped", name, pid=c.proc.pid, code=c.proc.returncode, cause=c.expect[0])
+            except subprocess.TimeoutExpired:
+                self._force_stop(c, timeout)
+            codes[name] = c.proc.returncode
+        self.retiring.clear()
         return codes
 
     def __enter__(self):

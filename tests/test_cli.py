@@ -42,7 +42,9 @@ def test_demo_layers_the_config_file_and_set_over_its_own_settings(tmp_path, mon
     for k in [k for k in __import__("os").environ if k.startswith("RLSTREAM_")]:
         monkeypatch.delenv(k)
     job = tmp_path / "x.toml"
-    job.write_text('[rl]\ngroups_per_step = 3\n[trainer]\nlr = 0.02\nmax_steps = 7\n[feed]\nsource = "/data/mine.jsonl"\n')
+    job.write_text(
+        '[rl]\ngroups_per_step = 3\n[trainer]\nlr = 0.02\nmax_steps = 7\n[feed]\nsource = "/data/mine.jsonl"\n'
+    )
     run_dir = tmp_path / "demo-1"
     cfg = resolve(job, ["trainer.lr=0.05", "rollout.max_inflight=5"], DemoOptions(steps=9, k=0), run_dir, "1", "h:1")
     assert cfg.rl.groups_per_step == 3 and cfg.rl.group_size == 8  # the file; the demo's default stays

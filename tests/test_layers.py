@@ -19,7 +19,13 @@ LAYERS = {  # package -> our packages it may import
     "rlstream": {"schemas", "pipeline", "producers", "consumers.reward", "consumers.trainer", "rlstream"},
 }
 OURS = ("schemas", "pipeline", "producers", "consumers", "rlstream", "bench", "tests")
-KAFKA_WRAPPER = {"pipeline/kafka.py", "pipeline/admin.py"}
+KAFKA_WRAPPER = {
+    "pipeline/kafka/__init__.py",
+    "pipeline/kafka/common.py",
+    "pipeline/kafka/producer.py",
+    "pipeline/kafka/consumer.py",
+    "pipeline/admin.py",
+}
 RAW_BASELINES = {"rlstream/bench/raw_kafka.py", "rlstream/bench/transport.py"}
 """Benchmarks whose point is to measure raw confluent-kafka next to rlstream's wrapper."""
 

@@ -275,9 +275,10 @@ def test_a_reward_worker_stuck_in_a_transaction_is_declared_hung(make_config, cl
 def test_scoring_goes_on_through_a_broker_restart_exactly_once(tmp_path):
     """Issue 10 B: the broker is stopped for ~12 s while a reward worker (the real CLI, supervised as
     `rlstream demo` runs it) is inside transactions, then started again on the same data dir. The
-    worker rides it out, or its watchdog declares it hung (librdkafka can block forever in
-    send_offsets_to_transaction after a broker restart) and the supervisor restarts it; either way
-    every rollout ends up scored exactly once and SIGTERM then stops the worker within the bound."""
+    worker rides it out in its own process: librdkafka can block forever in
+    send_offsets_to_transaction after a broker restart (it did, before: the worker hung and ignored
+    SIGTERM), so that call is bounded and a stuck producer is replaced. Every rollout is scored
+    exactly once, nothing restarts, and SIGTERM then stops the worker within the bound."""
     from pipeline import codec
     from pipeline.admin import ensure_topics
     from pipeline.config import dump_toml
@@ -344,8 +345,6 @@ def test_scoring_goes_on_through_a_broker_restart_exactly_once(tmp_path):
             t0 = time.monotonic()
             codes = sup.stop_all(timeout=60)
         assert codes["reward-0"] == 0 and time.monotonic() - t0 < 40, codes
-        log = (tmp_path / "logs" / "reward-0.log").read_text()
-        if restarts:  # the watchdog, not a crash, is the only acceptable way to have died
-            assert "is hung" in log and "exited with code 75" in log, log[-3000:]
+        assert restarts == 0, (tmp_path / "logs" / "reward-0.log").read_text()[-3000:]  # ridden out in-process
     finally:
         broker.stop(progress=lambda m: None)

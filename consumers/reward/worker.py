@@ -24,8 +24,8 @@ import time
 from consumers.reward.metrics import RewardMetrics
 from consumers.reward.pool import make_pool
 from pipeline.control import now_ms
-from pipeline.errors import DecodeError, KafkaClientError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message, next_offsets
+from pipeline.errors import DecodeError, DeliveryError, KafkaClientError
+from pipeline.kafka import Consumer, Producer, WedgedClient, client_conf, decode_message, next_offsets
 from pipeline.log import kv
 from pipeline.records import check_trajectory
 from pipeline.worker import Worker
@@ -50,9 +50,9 @@ class RewardWorker(Worker):
         self.pool = self.producer = self.consumer = self.metrics = self._metrics_producer = None
         rc = self.rc  # the longest one batch may take to score: every call timing out, one pool slot at a time
         self._scoring_s = rc.timeout_s * math.ceil(rc.max_batch_size / rc.pool_size) + rc.max_batch_ms / 1000 + 30
-        # A transaction call that overruns its own timeout by this much is wedged (librdkafka #5456:
-        # send_offsets_to_transaction can wait forever after a broker restart): the watchdog ends it.
-        self._txn_call_s = cfg.kafka.request_timeout_s + 15
+        # The watchdog's limit of one transaction call: the last resort behind the wrapper's own bound
+        # (pipeline.kafka.WedgedClient: librdkafka #5456 can block send_offsets_to_transaction forever).
+        self._txn_call_s = cfg.kafka.request_timeout_s + 30  # past the wrapper's own bound (+15 s)
 
     def _kafka_settings(self, base: dict, settings: dict, user: dict) -> dict:
         """Role settings under the user's explicit ``kafka.*`` extras, which win."""
@@ -81,9 +81,8 @@ class RewardWorker(Worker):
             {"transaction.timeout.ms": rc.transaction_timeout_ms},
             cfg.kafka.producer,
         )
-        self.producer = Producer(pconf, transactional_id=self.transactional_id)
-        init_s = max(60.0, rc.transaction_timeout_ms / 1000 + 30)
-        self.startup_call(lambda: self.producer.init_transactions(init_s), "init_transactions")  # fences a zombie
+        self._pconf = pconf
+        self._new_producer()
         self._metrics_producer = Producer(client_conf(cfg, "reward-metrics", self.worker_id, "producer"))
         self.metrics = RewardMetrics(self.worker_id, rc, self._metrics_producer, self.topic_metrics)
         cconf = self._kafka_settings(
@@ -172,7 +171,10 @@ class RewardWorker(Worker):
         mp, self._metrics_producer = self._metrics_producer, None
         tp, self.producer = self.producer, None
         if mp is not None:
-            mp.close(10)
+            try:
+                mp.close(10)
+            except DeliveryError as exc:  # metrics are best effort: a stop during an outage drops them
+                log.warning("metric events not delivered before stopping %s", kv(error=exc))
         if tp is not None:
             if failing:  # a fenced (fatal) producer cannot even flush; its open transaction is lost anyway
                 tp.abandon()
@@ -244,9 +246,27 @@ class RewardWorker(Worker):
         self.metrics.committed(scored, dead, (time.perf_counter() - t0) * 1000)
         log.debug("transaction committed %s", kv(worker_id=self.worker_id, scored=len(scored), dlq=len(dead)))
 
+    def _new_producer(self) -> None:
+        """The transactional producer; ``init_transactions`` fences (and aborts the open transaction
+        of) any earlier producer with the same transactional id: a zombie, or a wedged one."""
+        self.producer = Producer(self._pconf, transactional_id=self.transactional_id)
+        init_s = max(60.0, self.rc.transaction_timeout_ms / 1000 + 30)
+        self.startup_call(lambda: self.producer.init_transactions(init_s), "init_transactions")
+
+    def _replace_wedged_producer(self, batch: list, exc: WedgedClient) -> None:
+        """librdkafka blocked for good in a transaction call (after a broker restart): park that
+        client, start a new producer (whose init_transactions aborts the stuck transaction on the
+        broker) and rewind to the batch, in this process: no restart, no rebalance."""
+        log.warning("transactional producer stuck; replacing it %s", kv(worker_id=self.worker_id, error=exc))
+        self.metrics.m.inc("producers_replaced")
+        self._in_txn = False
+        with self.section("replace producer", self.liveness.outage_s + 60):
+            self._new_producer()
+        self._rewind(batch, exc, "producer replaced")
+
     def _transaction(self, batch, good, bad, outcomes, scored, dead) -> None:
-        """Produce the batch's results, add its offsets and commit, all in one transaction. librdkafka
-        can block in here forever after a broker restart: the caller's watchdog section bounds it."""
+        """Produce the batch's results, add its offsets and commit, all in one transaction. Every
+        transaction call is bounded (pipeline.kafka.WedgedClient); the watchdog bounds the rest."""
         self.producer.begin_transaction()
         self._in_txn = True
         try:
@@ -261,10 +281,15 @@ class RewardWorker(Worker):
                 dead.append((error_type, ms))
             self._txn_checkpoint(batch)
             with self.section("send_offsets_to_transaction", self._txn_call_s):
-                self.producer.send_offsets_to_transaction(
-                    next_offsets(batch), self.consumer, self.cfg.kafka.request_timeout_s
+                self.producer.send_offsets_to_transaction(  # milliseconds normally; bounded short (+ grace)
+                    next_offsets(batch), self.consumer, min(10.0, self.cfg.kafka.request_timeout_s)
                 )
             self._commit()
+        except WedgedClient as exc:
+            self._replace_wedged_producer(batch, exc)
+            scored.clear()
+            dead.clear()
+            return
         except KafkaClientError as exc:
             if exc.fatal:
                 raise  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
@@ -306,6 +331,10 @@ class RewardWorker(Worker):
                 time.sleep(1.0)
         self._in_txn = False
         self.metrics.aborted()
+        self._rewind(batch, exc, "transaction aborted")
+
+    def _rewind(self, batch: list, exc: Exception, why: str) -> None:
+        """Seek every still-assigned partition of ``batch`` back to its first offset (nothing skipped)."""
         first: dict[tuple[str, int], int] = {}
         for m in batch:
             key = (m.topic(), m.partition())
@@ -315,7 +344,8 @@ class RewardWorker(Worker):
             if (topic, part) in assigned:
                 self.consumer.seek(topic, part, offset)
         log.warning(
-            "transaction aborted, rewound %s",
+            "%s, rewound %s",
+            why,
             kv(
                 worker_id=self.worker_id, error=exc, partitions=",".join(f"{t}[{p}]@{o}" for (t, p), o in first.items())
             ),

@@ -1,0 +1,221 @@
+"""What every Kafka client of rlstream shares: client settings, the error classification (transient,
+authentication, authorization), start-up retries, bounded calls for librdkafka calls that can block
+forever, and small helpers on messages. Part of the sealed Kafka wrapper (``pipeline.kafka``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
+
+from pipeline import codec
+from pipeline.errors import DecodeError, KafkaClientError, TopicError
+from pipeline.log import kv
+
+log = logging.getLogger(__name__)
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+ASSIGN_ONLY_GROUP_PREFIX = "rlstream-nogroup-"
+"""Group id prefix of assign-only consumers (never committed to; librdkafka still looks it up, so a
+secured cluster grants Describe on this prefix: docs/security.md)."""
+TP = tuple[str, int]
+_WEDGED: list = []
+"""Clients whose librdkafka call never returned (see ``WedgedClient``): kept referenced for the
+life of the process, since destroying one would block too."""
+_auth_error: list = []
+"""The newest authentication/TLS failure librdkafka reported (its error callback), if any."""
+
+
+def _on_client_error(err: KafkaError) -> None:
+    """librdkafka's error callback: remember authentication and TLS failures (librdkafka itself only
+    retries them, so start-up would wait out its deadline on a wrong password) and log the rest."""
+    if err.code() in _AUTH_CODES:
+        _auth_error[:] = [err]
+        log.error("kafka authentication failed %s", kv(error=err))
+    elif err.fatal():
+        log.error("kafka client error %s", kv(error=err))
+
+
+def raise_if_auth_failed(what: str = "") -> None:
+    """Raise KafkaClientError if a client of this process failed to authenticate."""
+    if _auth_error:
+        err = _auth_error[0]
+        raise KafkaClientError(f"{what + ': ' if what else ''}authentication failed: {err} (check kafka.common: "
+                               "security.protocol, sasl.*, ssl.ca.location; docs/security.md)", err)  # fmt: skip
+
+
+def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "common") -> dict:
+    """librdkafka settings for one client of ``role``. ``cfg`` is the root config; its
+    ``kafka.bootstrap_servers`` was resolved at start-up by the application layer."""
+    wid = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    conf: dict = {
+        "bootstrap.servers": cfg.kafka.bootstrap_servers or DEFAULT_BOOTSTRAP,
+        "client.id": f"{cfg.kafka.client_id_prefix}-{role}-{wid}",
+        "log_level": 5,  # librdkafka: notice and above (info is chatty about internal queues)
+        "error_cb": _on_client_error,
+    }
+    conf.update(cfg.kafka.common)
+    if kind == "producer":
+        conf.update(cfg.kafka.producer)
+    elif kind == "consumer":
+        conf.update(cfg.kafka.consumer)
+    return conf
+
+
+# ---- errors --------------------------------------------------------------------------------
+_TRANSIENT_CODES = {
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._RESOLVE,
+    KafkaError._WAIT_COORD,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.REBALANCE_IN_PROGRESS,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+}
+_UNKNOWN_TOPIC_CODES = {KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
+_AUTH_CODES = {KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError.SASL_AUTHENTICATION_FAILED}
+_AUTHZ_CODES = {
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+}
+
+
+def _kafka_error(exc: BaseException) -> KafkaError | None:
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    err = getattr(exc, "kafka_error", None)
+    return err if isinstance(err, KafkaError) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors that go away by themselves: retriable ones, leader elections, a broker that
+    is unreachable for now, metadata or a coordinator not ready yet."""
+    err = _kafka_error(exc)
+    if err is None:
+        return False
+    return not err.fatal() and (err.retriable() or err.code() in _TRANSIENT_CODES)
+
+
+def retry_transient(fn: Callable, timeout: float = 30.0, what: str = "", interval: float = 0.2):
+    """Call ``fn()`` until it returns, retrying transient Kafka errors with exponential backoff
+    (``interval`` doubling up to 5 s) until ``timeout``; then the last error is raised."""
+    deadline = time.monotonic() + timeout
+    delay, last_note = interval, 0.0
+    while True:
+        try:
+            return fn()
+        except (KafkaException, KafkaClientError) as exc:
+            raise_if_auth_failed(what)
+            if not is_transient(exc) or time.monotonic() + delay > deadline:
+                raise
+            now = time.monotonic()
+            if now - last_note > 10:
+                err = _kafka_error(exc)
+                hint = (
+                    " (run `rlstream topics create`?)" if err is not None and err.code() in _UNKNOWN_TOPIC_CODES else ""
+                )
+                log.warning("waiting for Kafka%s %s", hint, kv(what=what or getattr(fn, "__name__", "call"), error=err))
+                last_note = now
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class WedgedClient(KafkaClientError):
+    """A librdkafka call did not return within its bound: the client is stuck for good (librdkafka
+    #5456/#5511: ``send_offsets_to_transaction`` after a broker restart). The caller replaces it;
+    the stuck one is parked in ``_WEDGED``."""
+
+
+def wedged_clients() -> int:
+    """How many clients this process had to abandon (the process should then end with ``os._exit``:
+    destroying them at interpreter exit could block)."""
+    return len(_WEDGED)
+
+
+def _bounded(fn, args: tuple, timeout: float, what: str):
+    """``fn(*args)`` in a daemon thread; WedgedClient if it has not returned after ``timeout``."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name=f"kafka-{what}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise WedgedClient(f"{what} did not return within {timeout:.0f} s: the client is stuck (librdkafka #5456)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _raise_kafka(exc: KafkaException, what: str, cls=KafkaClientError):
+    err = _kafka_error(exc)
+    raise cls(f"{what}: {err or exc}", err) from exc
+
+
+def _tp(t) -> TopicPartition:
+    return t if isinstance(t, TopicPartition) else TopicPartition(t[0], t[1], *t[2:])
+
+
+def _partitions_of(client, topic: str, timeout: float) -> list[int]:
+    try:
+        meta = client.list_topics(topic, timeout=timeout).topics.get(topic)
+    except KafkaException as exc:
+        _raise_kafka(exc, f"metadata of {topic}")
+    if meta is None or meta.error is not None or not meta.partitions:
+        code = meta.error if meta is not None and meta.error is not None else KafkaError(KafkaError._UNKNOWN_TOPIC)
+        if code.code() in _AUTHZ_CODES:
+            raise TopicError(
+                f"not authorized for topic {topic} ({code}): grant this principal ACLs (docs/security.md)", code
+            )
+        raise TopicError(f"topic {topic} is not available ({code}); run `rlstream topics create`", code)
+    return sorted(meta.partitions)
+
+
+# ---- producer ------------------------------------------------------------------------------
+
+
+def decode_message(msg: Message, expected: str | None = None) -> dict:
+    """Decode a consumed message's value; DecodeError names topic, partition and offset."""
+    try:
+        return codec.decode(msg.value(), expected)[1]
+    except DecodeError as exc:
+        raise exc.located(msg.topic(), msg.partition(), msg.offset()) from exc
+
+
+def next_offsets(messages: Iterable[Message]) -> list[TopicPartition]:
+    """Offsets to commit after ``messages``: last offset + 1 per topic/partition."""
+    last: dict[tuple[str, int], int] = {}
+    for m in messages:
+        key = (m.topic(), m.partition())
+        last[key] = max(last.get(key, -1), m.offset())
+    return [TopicPartition(t, p, o + 1) for (t, p), o in sorted(last.items())]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
