@@ -1,4 +1,4 @@
-"""The control plane: policy versions, bounded staleness, and the rl.control topic.
+"""The control plane: policy versions, bounded staleness, admission, and the rl.control topic.
 
 Versions: ``v`` counts the weight updates the trainer has published (``v = 0`` is the initial
 model). With ``k = max_staleness`` and ``G = groups_per_step``:
@@ -6,15 +6,30 @@ model). With ``k = max_staleness`` and ``G = groups_per_step``:
 * **Hard bound (trainer).** At version ``v`` (computing ``v + 1``), a sample is usable only if
   ``v - version_min <= k``. Others are masked out and counted (``is_stale``).
 * **Admission (producers).** The feed numbers groups ``group_seq = 0, 1, 2, ...``. A worker
-  holding version ``v`` starts group ``g`` only if ``g < (v + k + 1) * G``
-  (``may_admit``; AReaL's rule, counted in groups). With ``k = 0`` that is synchronous RL: the
-  groups of step ``s`` start only once version ``s`` is loaded.
+  holding version ``v`` starts group ``g`` only if ``g < C(v) + (k + 1) * G`` (``may_admit``;
+  AReaL's rule, counted in groups), where ``C(v)`` is the number of closed groups the trainer has
+  *consumed* while producing versions up to ``v`` plus those it has filtered since while still at
+  ``v``. Without dynamic sampling every step consumes exactly ``G`` groups, ``C(v) = v * G``,
+  and the rule is the classic ``g < (v + k + 1) * G``. With ``k = 0`` that is synchronous RL:
+  the groups of step ``s`` start only once version ``s`` is loaded.
 
-The trainer counts every group it closes (complete, or incomplete past its timeout) towards its
-step's ``G``, so admission and training stay aligned and nothing can deadlock.
+Why ``C(v)``: with dynamic sampling (``trainer.dynamic_sampling``) the trainer drops groups whose
+rewards have zero variance and waits for more, so a step consumes ``G + f`` groups. Counting
+slots as ``v * G`` would stop the producers while the trainer waits for groups: a deadlock. So the
+trainer states its count: ``WeightUpdate.consumed_groups`` is ``C`` at the version it announces,
+and while it waits at version ``v`` it publishes a ``groups_consumed`` Command with the count
+grown by every filtered group (``publish_progress``). The bound still holds: a step consumes at
+least ``G`` groups, so group ``g < C(v) + (k + 1) G`` is consumed by the step that starts at
+version ``v + k`` at the latest (when groups arrive in ``group_seq`` order; the trainer's hard
+bound guards the rest). ``ControlFollower.consumed_groups(v)`` is the newest count known for
+``v``; a notice without one (``-1``, v1 notices) means ``v * G``.
+
+The trainer counts every group it closes (complete, or incomplete past its timeout, or filtered)
+in ``C``, so admission and training stay aligned and nothing can deadlock.
 
 Control messages are WeightUpdate and Command records on a one-partition topic; a late joiner
-reads it from the start (it is small: one record per version) and keeps the newest notice.
+reads it from the start (it is small: one record per version, plus one progress record per idle
+poll of a trainer that filtered groups) and keeps the newest notice.
 """
 
 from __future__ import annotations
@@ -30,6 +45,11 @@ from pipeline.log import kv
 log = logging.getLogger(__name__)
 WEIGHTS_KEY = b"weights"
 COMMAND_KEY = b"command"
+PROGRESS_KEY = b"progress"
+PROGRESS_COMMAND = "groups_consumed"
+"""Command name of the trainer's consumed-group count while it waits at one version (args:
+``version``, ``consumed_groups``, ``trainer_id``; values are strings, as Command args are)."""
+_KEEP_VERSIONS = 1024  # consumed counts remembered by a follower (admission needs the loaded one)
 
 
 def is_stale(current_version: int, version_min: int, k: int) -> bool:
@@ -37,13 +57,18 @@ def is_stale(current_version: int, version_min: int, k: int) -> bool:
     return current_version - version_min > k
 
 
-def admission_limit(loaded_version: int, k: int, groups_per_step: int) -> int:
-    """Groups with ``group_seq`` below this may start at ``loaded_version``."""
-    return (loaded_version + k + 1) * groups_per_step
+def admission_limit(loaded_version: int, k: int, groups_per_step: int, consumed: int | None = None) -> int:
+    """Groups with ``group_seq`` below this may start at ``loaded_version``.
+
+    ``consumed``: the trainer's consumed-group count ``C`` known for ``loaded_version``
+    (``ControlFollower.consumed_groups``); None (no count published, e.g. a v1 notice) means
+    ``loaded_version * groups_per_step``, the count when no group is ever filtered."""
+    base = loaded_version * groups_per_step if consumed is None or consumed < 0 else consumed
+    return base + (k + 1) * groups_per_step
 
 
-def may_admit(group_seq: int, loaded_version: int, k: int, groups_per_step: int) -> bool:
-    return group_seq < admission_limit(loaded_version, k, groups_per_step)
+def may_admit(group_seq: int, loaded_version: int, k: int, groups_per_step: int, consumed: int | None = None) -> bool:
+    return group_seq < admission_limit(loaded_version, k, groups_per_step, consumed)
 
 
 def required_version(group_seq: int, k: int, groups_per_step: int) -> int:
@@ -63,6 +88,18 @@ def publish_weight_update(producer: Producer, topic: str, update: dict, timeout:
     log.info("published weight update %s", kv(topic=topic, version=update["version"], uri=update["uri"]))
 
 
+def publish_progress(
+    producer: Producer, topic: str, version: int, consumed: int, trainer_id: str = "", timeout: float = 30.0
+) -> None:
+    """Publish the trainer's consumed-group count while it is at ``version`` (dynamic sampling:
+    filtered groups raise it without a new version, and producers admit further from it)."""
+    args = {"version": str(int(version)), "consumed_groups": str(int(consumed)), "trainer_id": trainer_id}
+    rec = {"name": PROGRESS_COMMAND, "args": args, "issued_by": trainer_id, "created_at_ms": now_ms()}
+    producer.produce_record(topic, "Command", rec, key=PROGRESS_KEY)
+    producer.flush_patiently(timeout, f"progress v{version}")
+    log.debug("published progress %s", kv(version=version, consumed_groups=consumed))
+
+
 def publish_command(producer: Producer, topic: str, name: str, args: dict | None = None, by: str = "") -> None:
     rec = {"name": name, "args": args or {}, "issued_by": by, "created_at_ms": now_ms()}
     producer.produce_record(topic, "Command", rec, key=COMMAND_KEY)
@@ -71,7 +108,8 @@ def publish_command(producer: Producer, topic: str, name: str, args: dict | None
 
 class ControlFollower:
     """Follows the control topic. ``poll`` returns new ``(name, record)`` pairs in order;
-    ``latest_update`` is the newest WeightUpdate seen (by version). Undecodable records are
+    ``latest_update`` is the newest WeightUpdate seen (by version); ``consumed_groups(v)`` the
+    newest consumed-group count known for version ``v`` (admission). Undecodable records are
     logged and skipped (the control topic is written only by rlstream)."""
 
     def __init__(self, cfg, role: str, worker_id: str | None = None):
@@ -80,6 +118,10 @@ class ControlFollower:
         self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
         self.latest_update: dict | None = None
         self.commands: list[dict] = []
+        self.consumed: dict[int, int] = {}
+        """version -> the largest consumed-group count seen for it."""
+        self.progress_seen = 0
+        """Counts changes of ``consumed`` (a caller re-checks admission when it moves)."""
 
     def poll(self, timeout: float = 0.0, max_records: int = 100) -> list[tuple[str, dict]]:
         out = []
@@ -92,10 +134,32 @@ class ControlFollower:
             if name == "WeightUpdate":
                 if self.latest_update is None or rec["version"] > self.latest_update["version"]:
                     self.latest_update = rec
+                self._note_consumed(rec["version"], rec.get("consumed_groups", -1))
             elif name == "Command":
                 self.commands.append(rec)
+                if rec["name"] == PROGRESS_COMMAND:
+                    try:
+                        self._note_consumed(int(rec["args"]["version"]), int(rec["args"]["consumed_groups"]))
+                    except (KeyError, ValueError) as exc:
+                        log.error("skipping malformed progress record %s", kv(offset=msg.offset(), error=exc))
             out.append((name, rec))
         return out
+
+    def _note_consumed(self, version: int, consumed: int) -> None:
+        if consumed < 0 or consumed <= self.consumed.get(version, -1):
+            return
+        self.consumed[version] = consumed
+        self.progress_seen += 1
+        while len(self.consumed) > _KEEP_VERSIONS:
+            del self.consumed[min(self.consumed)]
+
+    def consumed_groups(self, version: int) -> int | None:
+        """The trainer's consumed-group count ``C(version)`` (None: never published, use ``version * G``)."""
+        return self.consumed.get(version)
+
+    def admission_limit(self, version: int, k: int, groups_per_step: int) -> int:
+        """``admission_limit`` at ``version`` with the newest consumed count known for it."""
+        return admission_limit(version, k, groups_per_step, self.consumed_groups(version))
 
     def catch_up(self, timeout: float = 10.0) -> dict | None:
         """Read everything already on the topic; return the newest WeightUpdate (or None)."""

@@ -22,7 +22,6 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from pipeline.checkpoint import read_weights
 from pipeline.models import load_tokenizer
 from producers.config import HFEngineConfig
 from producers.engines import EngineContext
@@ -98,8 +97,9 @@ class CompletionServer:
                     for _, body, reply in loads:
                         t0 = time.monotonic()
                         try:
-                            state = read_weights(body["uri"], body.get("sha256"))
-                            self.engine.load_weights({"uri": body["uri"], "version": int(body["version"])}, state)
+                            update = {"sha256": None, **body, "version": int(body["version"])}
+                            state = self.engine.prepare_weights(update)
+                            self.engine.load_weights(update, state)
                             reply.put((200, {"version": self.engine.version, "load_ms": (time.monotonic() - t0) * 1e3}))
                         except Exception as exc:  # reported to the client, the server goes on
                             reply.put((500, {"error": repr(exc)}))

@@ -2,7 +2,7 @@
 worker may start it and has room for it, and puts it where the queue is shortest.
 
 * **Admission moved to the feed.** The feed follows rl.control and publishes group ``g`` only once
-  ``may_admit(g, v, k, G)`` holds for the newest published version ``v``, so workers (almost) never
+  ``may_admit(g, v, k, G, C(v))`` holds for the newest published version ``v``, so workers (almost) never
   hold prompts waiting for weights, and never pause partitions full of inadmissible work.
 * **Join the shortest queue.** A partition's backlog is the number of the feed's own messages on
   it that the rollout group has not committed yet (queued, or being generated: a worker commits a
@@ -68,7 +68,7 @@ class Pacer:
                 self.delivered[p] = {o for o in self.delivered[p] if o >= off}
 
     def admissible(self, g: int) -> bool:
-        return may_admit(g, self.version, self.k, self.G)
+        return may_admit(g, self.version, self.k, self.G, self.control.consumed_groups(self.version))
 
     def pick(self, n: int) -> list[int] | None:
         """``n`` distinct partitions with the shortest backlogs, or None while the shortest is full."""

@@ -15,8 +15,9 @@ next owner, so rl.rollouts is at-least-once and ``trajectory_id`` is the dedupli
 partition that is re-delivered from an earlier offset (a rewind after a rebalance) starts a new
 ledger generation: what was in flight for it still gets published, nothing of it is committed.
 
-Admission (``pipeline.control.may_admit``): a group starts only if ``group_seq < (v + k + 1) * G``
-at the loaded version v; otherwise its message is held and its partition paused until a newer
+Admission (``pipeline.control.may_admit``): a group starts only if ``group_seq < C(v) + (k + 1) * G``
+at the loaded version v, where C(v) is the number of groups the trainer had consumed when it
+published v (``v * G`` unless groups were filtered); otherwise its message is held and its partition paused until a newer
 WeightUpdate is loaded. Weight reload (``producers.weights``): rl.control is followed; a new
 checkpoint is fetched and verified in a background thread, then loaded at a safe point: ``drain``
 stops starting turns until the engine is empty, ``interrupt`` aborts in-flight requests and
@@ -34,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pipeline.control import may_admit, now_ms
+from pipeline.control import now_ms
 from pipeline.errors import ConsumeError, DecodeError
 from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
 from pipeline.log import kv
@@ -238,7 +239,7 @@ class RolloutWorker(Worker):
         self.to_commit.pop(tp, None)
 
     def _admissible(self, prompt: dict) -> bool:
-        return prompt["group_seq"] < 0 or may_admit(prompt["group_seq"], self.engine.version, self.k, self.G)
+        return prompt["group_seq"] < 0 or self.weights.may_admit(prompt["group_seq"])
 
     def _admit(self, tp, offset: int, prompt: dict, gen: int) -> None:
         toks = prompt["_tokens"]
@@ -345,6 +346,8 @@ class RolloutWorker(Worker):
         self.weights.poll()
         if self.weights.loadable is not None and self.weights.loadable is not had:
             self.metrics.observe("weight_fetch_ms", self.weights.fetch_ms)
+        if self.weights.admission_moves():
+            self._release_held()
 
     def _maybe_load(self) -> None:
         if self.weights.loadable is None:

@@ -9,8 +9,8 @@ committed steps only) and the injected bad records:
 * fed groups: distinct ``group_seq`` of the feed's Prompt records; every one of ``0..N-1`` must be
   there;
 * lost: a fed group whose trajectory ids (``<group_id>/<i>``, i < group_size) are not all in
-  ``used ∪ stale ∪ incomplete_dropped`` of some step; stalled: a fed group that reached rl.scored
-  but no finished step;
+  what some step disposed of (``used``, ``stale``, ``incomplete_dropped``, ``update_skipped``,
+  ``filtered``, ``overlong``); stalled: a fed group that reached rl.scored but no finished step;
 * scored twice: two committed ScoredTrajectory records of one rl.rollouts (partition, offset);
 * trained twice: a trajectory id in ``used`` more than once;
 * staleness: a used sample whose step version minus its ``version_min`` (from the copy on rl.scored
@@ -111,8 +111,11 @@ def audit(
 
     # the steps log
     used = Counter(t for s in steps for t in s["used"])
-    accounted = {t for s in steps for key in ("used", "stale", "incomplete_dropped") for t in s[key]}
-    stepped_groups = Counter(g for s in steps for g in s["groups"])
+    # disposed by a step: trained, refused as stale or incomplete, in an update that was skipped
+    # (non-finite gradients), filtered by dynamic sampling, or masked as overlong
+    disposed = ("used", "stale", "incomplete_dropped", "update_skipped", "filtered", "overlong")
+    accounted = {t for s in steps for key in disposed for t in s.get(key, ())}
+    stepped_groups = Counter(g for s in steps for key in ("groups", "filtered_groups") for g in s.get(key, ()))
     r["steps"] = len(steps)
     r["samples_used"] = sum(used.values())
     r["samples_stale"] = sum(len(s["stale"]) for s in steps)

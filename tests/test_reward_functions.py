@@ -149,6 +149,16 @@ def test_regex_and_format_checks():
     assert build("format", {"style": "code_block"})(traj("```py\nprint(1)\n```")).reward == 1.0
 
 
+def test_env_reward_reads_the_environments_reward_from_metadata():
+    score = build("env_reward")
+    assert score({**traj("x"), "metadata": {"env_reward": "0.75"}}).reward == 0.75
+    with pytest.raises(RewardError, match="no env_reward"):
+        score(traj("x"))
+    with pytest.raises(RewardError, match="not a number"):
+        score({**traj("x"), "metadata": {"env_reward": "many"}})
+    assert build("env_reward", {"missing": 0.0})(traj("x")).reward == 0.0
+
+
 # ---- math-verify -------------------------------------------------------------------------------
 MATH_CASES = [
     # (gold, response, expected reward) -- checked by hand

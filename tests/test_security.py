@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, ConsumeError, DeliveryError, KafkaClientError, TopicError
-from rlstream.kafka_tools import java_client_properties, role_acls
 from rlstream.config import load_config
+from rlstream.kafka_tools import java_client_properties, role_acls
 
 USERS = {
     "admin": "admin-Secret-0",

@@ -42,6 +42,8 @@ REWARDS = Registry(
         "regex": "consumers.reward.builtin:regex",
         "format": "consumers.reward.builtin:format_check",
         "math": "consumers.reward.builtin:math_answer",
+        "overlong_penalty": "consumers.reward.builtin:overlong_penalty",
+        "env_reward": "consumers.reward.builtin:env_reward",
         "code": "consumers.reward.code:code_tests",
         "http": "consumers.reward.http:http_reward",
         "openai_judge": "consumers.reward.http:openai_judge",

@@ -1,5 +1,6 @@
-"""Built-in text rewards: exact match, regex and format checks, and math answer verification with
-the ``math-verify`` library.
+"""Built-in text rewards: exact match, regex and format checks, math answer verification with
+the ``math-verify`` library, DAPO's soft overlong length penalty, and ``env_reward`` (the reward a
+multi-turn environment already gave, carried in the trajectory's metadata).
 
 Each is registered as a factory (config kwargs -> scoring callable). Math-verify is imported on
 first use only. Code execution is in ``consumers.reward.code``; reward models in
@@ -182,5 +183,49 @@ def math_answer(
             timeout_seconds=t,
         )
         return RewardResult(1.0 if ok else 0.0, {"parsed": 1.0})
+
+    return score
+
+
+def overlong_penalty(max_tokens: int, cache_tokens: int, penalty: float = 1.0):
+    """DAPO's soft overlong punishment, by response length ``L`` in tokens: 0 while
+    ``L <= max_tokens - cache_tokens``; then linear ``-penalty * (L - (max_tokens - cache_tokens)) /
+    cache_tokens`` down to ``-penalty`` at ``L = max_tokens``; ``-penalty`` beyond. Meant as one term
+    of a weighted reward next to the task's verifier (``weight = 1``); ``max_tokens`` is usually the
+    rollout's response budget, ``cache_tokens`` the soft zone before it (DAPO: 4096 of 20480)."""
+    max_tokens, cache_tokens, penalty = int(max_tokens), int(cache_tokens), float(penalty)
+    if max_tokens < 1 or not 0 < cache_tokens <= max_tokens or penalty < 0:
+        raise ValueError("overlong_penalty needs max_tokens >= 1, 0 < cache_tokens <= max_tokens, penalty >= 0")
+    soft = max_tokens - cache_tokens
+
+    def score(trajectory: dict) -> RewardResult:
+        n = len(trajectory.get("response_tokens") or b"") // 4  # packed little-endian int32
+        if n <= soft:
+            value = 0.0
+        elif n <= max_tokens:
+            value = -penalty * (n - soft) / cache_tokens
+        else:
+            value = -penalty
+        return RewardResult(value, {"response_tokens": float(n)})
+
+    return score
+
+
+def env_reward(missing: float | None = None):
+    """The environment's own reward: the sum of the rewards a multi-turn environment returned for
+    its turns (``producers.envs``), which the rollout worker writes into the trajectory's metadata
+    as ``env_reward``. A trajectory without it (a single-turn task) is a RewardError, so it is
+    dead-lettered, unless ``missing`` gives the value to use instead."""
+
+    def score(trajectory: dict) -> RewardResult:
+        raw = (trajectory.get("metadata") or {}).get("env_reward")
+        if raw is None:
+            if missing is None:
+                raise RewardError("trajectory has no env_reward in its metadata (not from a multi-turn env?)")
+            return RewardResult(float(missing))
+        try:
+            return RewardResult(float(raw))
+        except ValueError as exc:
+            raise RewardError(f"env_reward {raw!r} is not a number") from exc
 
     return score

@@ -8,6 +8,8 @@ partitions the consumer sees one partition's records before the other's; FIFO by
 would let older groups go stale behind newer ones, while seq order trains group g at version
 ~ g // G, the version admission planned for it. A sample
 of a group that is already closed (late) or a repeated ``trajectory_id`` (duplicate) is refused.
+Dynamic sampling removes uninformative closed groups from the queue (``filter_ready``); they are
+remembered like trained ones, so a late sample of one is refused too.
 
 ``OffsetTracker`` is the resume rule. A record is *disposed* once its fate is final: used in (or
 dropped by) a finished trainer step, or refused (late, duplicate, undecodable). Per partition it
@@ -141,6 +143,21 @@ class GroupAssembler:
             self.trained[g.group_id] = None
         while len(self.trained) > self.memory:
             self.trained.popitem(last=False)
+        return out
+
+    def filter_ready(self, keep) -> list[Group]:
+        """Remove and return the closed groups for which ``keep(group)`` is False (dynamic sampling)."""
+        kept: list[Group] = []
+        out: list[Group] = []
+        for g in self.ready:
+            (kept if keep(g) else out).append(g)
+        if out:
+            self.ready = kept
+            for g in out:
+                self._queued.discard(g.group_id)
+                self.trained[g.group_id] = None
+            while len(self.trained) > self.memory:
+                self.trained.popitem(last=False)
         return out
 
     def trained_ids(self) -> list[str]:

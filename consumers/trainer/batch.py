@@ -1,11 +1,11 @@
-"""From scored records to training tensors: the ``Sample`` a record decodes to, the step plan
-(the staleness gate, the incomplete-group policy, advantages), and the micro-batches an engine
-runs (padding, per-token masks, the aggregation weights of docs/losses.md).
+"""From scored records to a step plan: the ``Sample`` a record decodes to, the step plan (the
+staleness gate, the incomplete-group policy, advantages, overlong filtering), dynamic sampling's
+test of a group (``informative``), minibatches, and the aggregation weights of docs/losses.md.
 
 ``plan_step`` is the one place where the hard staleness bound is enforced: a sample with
-``v - version_min > k`` at trainer version ``v`` never enters a micro-batch. Everything above
-``collate`` is plain Python; torch is imported inside the functions that build tensors. Not a
-data loader: the trainer's consumer loop feeds it.
+``v - version_min > k`` at trainer version ``v`` never enters a micro-batch. Plain Python, no
+torch: the tensors (padded or packed micro-batches) are built by ``collate.py``, whose names are
+re-exported here. Not a data loader: the trainer's consumer loop feeds it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,23 @@ import random
 from dataclasses import dataclass, field
 
 from consumers.trainer import advantages
+from consumers.trainer.collate import MicroBatch, collate, pack, shard_micro_batches, split_by_tokens, trainable_start
 from pipeline.control import is_stale
+
+__all__ = [
+    "MicroBatch",
+    "Sample",
+    "StepPlan",
+    "collate",
+    "informative",
+    "pack",
+    "plan_step",
+    "sample_from_record",
+    "sample_weights",
+    "shard_micro_batches",
+    "split_by_tokens",
+    "split_minibatches",
+]
 from pipeline.records import check_scored
 
 
@@ -36,6 +52,8 @@ class Sample:
     group_size: int
     group_seq: int = -1
     advantage: float = 0.0
+    finish_reason: str = "stop"
+    """stop | length (truncated at its token budget) | abort | env_done | ..."""
 
 
 def sample_from_record(
@@ -61,6 +79,7 @@ def sample_from_record(
         version_max=int(t["version_max"]),
         group_size=int(t["group_size"]),
         group_seq=int(t["group_seq"]),
+        finish_reason=str(t.get("finish_reason") or "stop"),
     )
 
 
@@ -77,6 +96,8 @@ class StepPlan:
     """Samples of incomplete groups under ``incomplete_groups = "drop"``."""
     incomplete_groups: int = 0
     """Closed groups that had fewer than group_size samples."""
+    overlong: list[Sample] = field(default_factory=list)
+    """Truncated samples masked out by overlong filtering (in their group's baseline, no gradient)."""
 
     def version_lag_counts(self) -> dict[int, int]:
         """{v - version_min: samples trained} of this step."""
@@ -87,12 +108,14 @@ class StepPlan:
         return dict(sorted(out.items()))
 
 
-def plan_step(groups, version: int, k: int, incomplete_policy: str, adv_cfg) -> StepPlan:
-    """Apply the staleness bound and the incomplete-group policy, then compute advantages.
+def plan_step(groups, version: int, k: int, incomplete_policy: str, adv_cfg, overlong_filter: bool = False) -> StepPlan:
+    """Apply the staleness bound and the incomplete-group policy, compute advantages, then (with
+    ``overlong_filter``) move truncated samples (finish_reason "length") out of the trained set.
 
     ``groups`` are closed groups (``.samples``, ``.complete``). Stale samples are removed before
     advantages are computed, so they do not even enter their group's baseline; a group left with
-    fewer samples is normalised over the fresh ones it has.
+    fewer samples is normalised over the fresh ones it has. Truncated samples do stay in the
+    baseline (their reward is information about the prompt); they only get no gradient.
     """
     plan = StepPlan(version=version)
     for g in groups:
@@ -106,8 +129,22 @@ def plan_step(groups, version: int, k: int, incomplete_policy: str, adv_cfg) -> 
             continue
         for s, a in zip(fresh, advantages.compute([s.reward for s in fresh], adv_cfg), strict=True):
             s.advantage = a
-        plan.train.extend(fresh)
+        for s in fresh:
+            (plan.overlong if overlong_filter and s.finish_reason == "length" else plan.train).append(s)
     return plan
+
+
+def informative(group, version: int, k: int, incomplete_policy: str, tol: float = 1e-9) -> bool:
+    """Dynamic sampling's test: False for a group that would train but whose fresh samples' rewards
+    are all equal (max - min <= ``tol``): every advantage is 0, so it carries no signal. A group
+    that would not train anyway (incomplete under "drop", or with no fresh sample) is kept, so it
+    counts towards G as before."""
+    if not group.complete and incomplete_policy == "drop":
+        return True
+    rewards = [s.reward for s in group.samples if not is_stale(version, s.version_min, k)]
+    if not rewards:
+        return True
+    return max(rewards) - min(rewards) > tol
 
 
 def split_minibatches(samples: list[Sample], n: int, seed: int) -> list[list[Sample]]:
@@ -124,7 +161,7 @@ def sample_weights(samples: list[Sample], loss_cfg) -> list[float]:
     parallelism give the same loss as one big batch. Sequences without a trained token get 0
     and do not count in B.
     """
-    counts = [sum(s.mask[i] for i in _trainable_positions(s)) for s in samples]
+    counts = [sum(s.mask[trainable_start(s) :]) for s in samples]
     nonzero = [c for c in counts if c > 0]
     if not nonzero:
         return [0.0] * len(samples)
@@ -140,98 +177,3 @@ def sample_weights(samples: list[Sample], loss_cfg) -> list[float]:
         norm = loss_cfg.norm_tokens or max(len(s.response) for s in samples)
         return [1.0 / (b * norm) if c else 0.0 for c in counts]
     raise ValueError(f"unknown aggregation {agg!r}")
-
-
-def _trainable_positions(s: Sample) -> range:
-    """Response token indices that can be predicted (the first token needs a prompt token)."""
-    return range(0 if s.prompt else 1, len(s.response))
-
-
-@dataclass
-class MicroBatch:
-    """Tensors of one forward/backward. Shifted arrays have length T - 1 (position t predicts t + 1)."""
-
-    input_ids: object
-    attention_mask: object
-    targets: object
-    token_mask: object
-    """1.0 where a trained response token is predicted."""
-    old_logp: object
-    """Behaviour logprobs (from the rollout engine), aligned with ``targets``."""
-    advantages: object
-    """[b] per-sample advantage."""
-    weights: object
-    """[b] per-sample aggregation weight (0 for padding rows)."""
-    ids: list[str]
-    prox_logp: object = None
-    """decoupled_ppo: logprobs of the weights at the start of the step (recomputed, no grad)."""
-    ref_logp: object = None
-    """KL penalty: logprobs of the frozen reference model."""
-
-    def to(self, device) -> MicroBatch:
-        out = MicroBatch(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        for k in ("input_ids", "attention_mask", "targets", "token_mask", "old_logp", "advantages", "weights"):
-            setattr(out, k, getattr(self, k).to(device))
-        for k in ("prox_logp", "ref_logp"):
-            if getattr(self, k) is not None:
-                setattr(out, k, getattr(self, k).to(device))
-        return out
-
-
-def collate(samples: list[Sample], weights: list[float], pad_id: int = 0) -> MicroBatch:
-    """Right-padded tensors of ``samples``; an empty list gives a one-row all-zero-weight dummy
-    (so every data-parallel rank runs the same number of backward passes)."""
-    import torch
-
-    if not samples:
-        z = torch.zeros(1, 1)
-        return MicroBatch(
-            input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
-            attention_mask=torch.ones(1, 2, dtype=torch.long),
-            targets=torch.full((1, 1), pad_id, dtype=torch.long),
-            token_mask=z.clone(),
-            old_logp=z.clone(),
-            advantages=torch.zeros(1),
-            weights=torch.zeros(1),
-            ids=[],
-        )
-    t = max(len(s.prompt) + len(s.response) for s in samples)
-    t = max(t, 2)
-    b = len(samples)
-    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    attn = torch.zeros(b, t, dtype=torch.long)
-    token_mask = torch.zeros(b, t - 1)
-    old = torch.zeros(b, t - 1)
-    for i, s in enumerate(samples):
-        seq = s.prompt + s.response
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[i, : len(seq)] = 1
-        p = len(s.prompt)
-        for j in _trainable_positions(s):
-            token_mask[i, p + j - 1] = float(s.mask[j])
-            old[i, p + j - 1] = s.logprobs[j]
-    return MicroBatch(
-        input_ids=input_ids,
-        attention_mask=attn,
-        targets=input_ids[:, 1:].clone(),
-        token_mask=token_mask,
-        old_logp=old,
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        weights=torch.tensor(weights, dtype=torch.float32),
-        ids=[s.trajectory_id for s in samples],
-    )
-
-
-def shard_micro_batches(
-    samples: list[Sample], weights: list[float], rank: int, world: int, micro_batch_size: int, pad_id: int = 0
-) -> list[MicroBatch]:
-    """This rank's micro-batches of one minibatch: samples ``rank::world``, length-sorted, in
-    chunks of ``micro_batch_size``, padded with dummies to the same count on every rank."""
-    per_rank = [list(zip(samples[r::world], weights[r::world], strict=True)) for r in range(world)]
-    n_micro = max(max(-(-len(x) // micro_batch_size) for x in per_rank), 1)
-    mine = sorted(per_rank[rank], key=lambda sw: len(sw[0].prompt) + len(sw[0].response))
-    out = []
-    for i in range(n_micro):
-        chunk = mine[i * micro_batch_size : (i + 1) * micro_batch_size]
-        out.append(collate([s for s, _ in chunk], [w for _, w in chunk], pad_id))
-    return out

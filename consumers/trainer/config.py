@@ -1,5 +1,6 @@
-"""Configuration of the trainer: group assembly, the train engine (a union on ``type``), the
-optimizer, advantages, the loss, checkpoints and weight publishing.
+"""Configuration of the trainer: group assembly, dynamic sampling, the train engine (a union on
+``type``), LoRA, the optimizer and its learning-rate schedule, advantages, the loss, micro-batching
+by tokens and packing, overlong filtering, checkpoints and weight publishing.
 
 Only declarations and bounds live here; the formulas are in ``advantages.py``/``losses.py`` and
 docs/losses.md. Values several roles share (k, n, G) are in ``pipeline.config.RLConfig``.
@@ -22,7 +23,8 @@ class TorchEngineConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda (this rank's LOCAL_RANK) when available, else cpu."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the trained model (optimizer math follows it)."""
+    """Compute dtype. bfloat16: mixed precision, i.e. forward and backward under bf16 autocast while
+    the weights (the master copy), gradients and AdamW state stay float32; published weights are float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, ~30% more compute)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -59,7 +61,7 @@ EngineConfig = Annotated[TorchEngineConfig | DeepSpeedEngineConfig | SimEngineCo
 
 
 class OptimConfig(StrictModel):
-    """AdamW with linear warmup, then a constant learning rate."""
+    """AdamW with linear warmup, then a constant, linearly or cosine decaying learning rate."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
@@ -71,6 +73,14 @@ class OptimConfig(StrictModel):
     """Optimizer steps of linear warmup from 0 to ``trainer.lr``."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: constant, or linear / cosine decay from ``trainer.lr`` to ``min_lr_ratio * lr``
+    at optimizer step ``decay_steps`` (then constant at the floor)."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Optimizer step at which the decay reaches its floor (counting warmup steps); None: the run's
+    optimizer steps, ``trainer.max_steps * trainer.minibatches`` (then ``max_steps`` must be set)."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the decay as a fraction of ``trainer.lr``."""
 
     @model_validator(mode="after")
     def _betas(self):
@@ -93,8 +103,9 @@ class AdvantageConfig(StrictModel):
 class LossConfig(StrictModel):
     """The policy loss (docs/losses.md has every formula). ``ratio`` is pi_theta / pi_behaviour."""
 
-    type: Literal["ppo_clip", "tis", "decoupled_ppo", "cispo"] = "ppo_clip"
-    """ppo_clip, tis (truncated importance sampling), decoupled_ppo (AReaL), cispo (MiniMax-M1)."""
+    type: Literal["ppo_clip", "tis", "decoupled_ppo", "cispo", "gspo"] = "ppo_clip"
+    """ppo_clip, tis (truncated importance sampling), decoupled_ppo (AReaL), cispo (MiniMax-M1),
+    gspo (Qwen's group sequence policy optimisation: sequence-level ratio and clipping)."""
     clip_eps_low: float = Field(0.2, ge=0, le=1.0)
     """ppo_clip/decoupled_ppo: the ratio is clipped below at 1 - clip_eps_low."""
     clip_eps_high: float = Field(0.2, ge=0, le=10.0)
@@ -107,6 +118,14 @@ class LossConfig(StrictModel):
     """cispo: the detached IS weight is clipped below at 1 - cispo_eps_low (1.0: no lower clip)."""
     cispo_eps_high: float = Field(4.0, ge=0)
     """cispo: clipped above at 1 + cispo_eps_high."""
+    gspo_eps_low: float = Field(3e-4, ge=0, le=1.0)
+    """gspo: the sequence ratio s_i is clipped below at 1 - gspo_eps_low (the GSPO paper's 3e-4)."""
+    gspo_eps_high: float = Field(4e-4, ge=0, le=10.0)
+    """gspo: clipped above at 1 + gspo_eps_high (the paper's 4e-4). Pair gspo with
+    ``aggregation = "seq-mean-token-mean"`` to get the paper's objective exactly."""
+    entropy_coef: float = Field(0.0, ge=0, le=1.0)
+    """Entropy bonus: every trained token adds ``-entropy_coef * H(pi_theta(.|context))`` (full
+    vocabulary, with gradient); 0 disables it and its extra pass over the logits."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
@@ -117,6 +136,25 @@ class LossConfig(StrictModel):
     """beta of the KL penalty to the frozen reference (version-0) model; 0 disables it and its forward pass."""
     kl_estimator: Literal["k3"] = "k3"
     """k3 = exp(ref - logp) - (ref - logp) - 1, per token (Schulman's unbiased, non-negative estimator)."""
+
+
+class LoraConfig(StrictModel):
+    """LoRA (PEFT): train low-rank adapters on a frozen base; every published version is the
+    adapter alone (``WeightUpdate.kind = "adapter"``), applied by the rollout engines."""
+
+    rank: int = Field(8, ge=1, le=4096)
+    """r: the rank of every adapter's A (r x in) and B (out x r) matrices."""
+    alpha: float = Field(16.0, gt=0, le=65536)
+    """lora_alpha: the update is scaled by alpha / r (alpha / sqrt(r) with ``rslora``)."""
+    dropout: float = Field(0.0, ge=0, lt=1.0)
+    """Dropout on the adapter's input while training (the rollout side applies none)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """Names (last path component) of the linear layers that get adapters; Llama/Qwen-style defaults."""
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r."""
 
 
 class TrainerConfig(StrictModel):
@@ -132,8 +170,34 @@ class TrainerConfig(StrictModel):
     optim: OptimConfig = OptimConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
+    lora: LoraConfig | None = None
+    """LoRA adapters on a frozen base (``[trainer.lora]``); None (default): full fine-tuning, full weights published."""
     micro_batch_size: int = Field(8, ge=1, le=4096)
-    """Samples per forward/backward; gradients accumulate over micro-batches."""
+    """Samples per forward/backward; gradients accumulate over micro-batches. Ignored when
+    ``max_tokens_per_micro_batch`` is set (then tokens bound a micro-batch)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=2, le=10_000_000)
+    """Token budget of one forward/backward: a micro-batch takes length-sorted samples while its
+    tokens stay within this (padded rows x longest row; with ``packing``, the sum of lengths). A
+    sample longer than the budget gets a micro-batch of its own. None: ``micro_batch_size`` samples."""
+    max_tokens_per_step: int | None = Field(None, ge=2, le=1_000_000_000)
+    """Most (prompt + response) tokens in one optimizer step: a minibatch above this is split into
+    consecutive optimizer steps (each sample still in exactly one). None: no limit."""
+    packing: bool = False
+    """Padding-free micro-batches: a micro-batch's samples are concatenated into one row with
+    ``position_ids`` restarting at 0 per sample, so attention stays within each sample (the HF
+    attention implementations sdpa/eager build a block-causal mask from them; flash-attention uses
+    varlen kernels). The loss equals the padded computation's (tests/test_packing.py)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a closed group whose trainable samples' rewards are all equal (zero
+    variance, hence zero advantage) is filtered before it counts towards the step's G; the step
+    waits for more groups instead. Filtered groups are counted (``groups_filtered``), listed in the
+    steps log and reported to producers as consumed (pipeline.control), so admission keeps supplying."""
+    dynamic_sampling_tol: float = Field(1e-9, ge=0)
+    """dynamic_sampling: rewards whose max - min is at most this count as equal."""
+    overlong_filter: bool = False
+    """Mask out truncated samples (finish_reason "length": the response hit its token budget):
+    they keep their place in their group's advantage baseline but get no gradient and no loss
+    weight (DAPO's overlong filtering). Counted as ``overlong_masked``."""
     minibatches: int = Field(1, ge=1, le=64)
     """Optimizer steps per trainer step: the G groups' samples are split into this many
     minibatches, each used by exactly one optimizer step. The version advances once per trainer step."""
@@ -165,3 +229,16 @@ class TrainerConfig(StrictModel):
     """Seeds torch (dropout-free models are deterministic anyway) and the minibatch split."""
     dist_timeout_s: float = Field(1800.0, gt=0)
     """torch.distributed collective timeout under torchrun/deepspeed launcher."""
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.optim.lr_schedule != "constant" and self.optim.decay_steps is None and self.max_steps == 0:
+            raise ValueError(
+                f"trainer.optim.lr_schedule = {self.optim.lr_schedule!r} needs trainer.optim.decay_steps "
+                "or trainer.max_steps"
+            )
+        return self
+
+    def decay_steps(self) -> int:
+        """Optimizer step where the LR decay ends (``optim.decay_steps`` or max_steps x minibatches)."""
+        return self.optim.decay_steps or max(1, self.max_steps * self.minibatches)

@@ -9,10 +9,17 @@ engine), ``logp`` the current policy's and ``sg`` stop-gradient (docs/losses.md)
   ``r = exp(logp - prox)``; ``l = -sg(w) * min(r A, clip(r, 1 - e_lo, 1 + e_hi) A)``; ``prox``
   is recomputed with the weights at the start of the trainer step.
 * ``cispo`` (MiniMax-M1): ``l = -sg(clip(exp(logp - mu), 1 - e_lo, 1 + e_hi)) * A * logp``.
+* ``gspo`` (Qwen, GSPO): the sequence ratio ``s_i = exp(mean_t (logp - mu))`` over the sample's
+  trained tokens, clipped as a whole: ``l_it = -min(s_it A, clip(s_it, 1 - e_lo, 1 + e_hi) A)``
+  with ``s_it = sg(s_i) * exp(logp - sg(logp))`` (value ``s_i``, gradient ``s_i * grad logp``):
+  under ``seq-mean-token-mean`` aggregation this is GSPO's objective and gradient exactly.
 * KL penalty (``kl_coef = beta > 0``): ``l += beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3).
+* Entropy bonus (``entropy_coef = c > 0``): ``l -= c * H_t``, ``H_t`` the entropy of the policy's
+  next-token distribution at position t (the engine computes it from the logits, with gradient).
 
 The micro-batch loss is ``sum_i w_i sum_t mask_it l_it`` with the aggregation weights ``w_i`` of
-``batch.sample_weights``. Not an optimizer or a trainer: engines call ``micro_batch_loss``.
+``batch.sample_weights``; per-sample values reach their tokens through ``MicroBatch.per_token``
+(padded rows or packed segments alike). Not an optimizer or a trainer: engines call a ``LossFn``.
 """
 
 from __future__ import annotations
@@ -50,6 +57,29 @@ def cispo(logp, old_logp, adv, eps_low: float, eps_high: float):
     return -w * adv * logp, {"ratio": ratio.detach(), "clipped": (w != ratio.detach()).float()}
 
 
+def seq_mean(x, mask, segments=None):
+    """Per token, the mean of ``x`` over the trained tokens (``mask``) of the sample it belongs to:
+    per row (padded layout) or per segment (packed layout). A sample without trained tokens gets 0."""
+    xm = x * mask
+    if segments is None:
+        return (xm.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(x)
+    flat = segments.reshape(-1)
+    n = int(flat.max()) + 1
+    sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, flat, xm.reshape(-1))
+    cnt = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, flat, mask.reshape(-1).to(x.dtype))
+    return (sums / cnt.clamp(min=1))[segments]
+
+
+def gspo(logp, old_logp, adv, mask, eps_low: float, eps_high: float, segments=None):
+    """GSPO with the sequence-level ratio ``s_i = exp(mean of log ratios over trained tokens)``."""
+    log_s = seq_mean((logp - old_logp).detach(), mask, segments)
+    s_tok = torch.exp(log_s + logp - logp.detach())  # value s_i, d/dlogp = s_i
+    s1 = s_tok * adv
+    s2 = torch.clamp(s_tok, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(s1, s2)
+    return loss, {"ratio": torch.exp(log_s), "clipped": (s2 < s1).float()}
+
+
 def k3(logp, ref_logp):
     """Schulman's k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logp - logp
@@ -58,7 +88,7 @@ def k3(logp, ref_logp):
 
 def token_loss(logp, mb, cfg):
     """Per-token loss [b, T-1] and per-token statistics for ``cfg`` (a ``LossConfig``)."""
-    adv = mb.advantages.to(logp.dtype).unsqueeze(-1)
+    adv = mb.per_token(mb.advantages.to(logp.dtype))
     old = mb.old_logp.to(logp.dtype)
     if cfg.type == "ppo_clip":
         loss, stats = ppo_clip(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
@@ -69,6 +99,9 @@ def token_loss(logp, mb, cfg):
         loss, stats = decoupled_ppo(logp, old, prox, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap)
     elif cfg.type == "cispo":
         loss, stats = cispo(logp, old, adv, cfg.cispo_eps_low, cfg.cispo_eps_high)
+    elif cfg.type == "gspo":
+        mask = mb.token_mask.to(logp.dtype)
+        loss, stats = gspo(logp, old, adv, mask, cfg.gspo_eps_low, cfg.gspo_eps_high, mb.segments)
     else:
         raise ValueError(f"unknown loss {cfg.type!r}")
     if cfg.kl_coef > 0:
@@ -80,13 +113,34 @@ def token_loss(logp, mb, cfg):
     return loss, stats
 
 
-def micro_batch_loss(logp, mb, cfg):
-    """Scalar loss of one micro-batch and ``{stat: (sum, count)}`` over its trained tokens."""
+def micro_batch_loss(logp, mb, cfg, entropy=None):
+    """Scalar loss of one micro-batch and ``{stat: (sum, count)}`` over its trained tokens.
+    ``entropy``: per-token policy entropy (needed when ``cfg.entropy_coef > 0``)."""
     loss_tok, stats = token_loss(logp, mb, cfg)
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy (use LossFn, engines compute it)")
+        loss_tok = loss_tok - cfg.entropy_coef * entropy.to(logp.dtype)
+        stats["entropy"] = entropy.detach()
     mask = mb.token_mask.to(logp.dtype)
-    weights = mb.weights.to(logp.dtype).unsqueeze(-1)
+    weights = mb.per_token(mb.weights.to(logp.dtype))
     loss = (loss_tok * mask * weights).sum()
     n = float(mask.sum())
     out = {k: (float((v * mask).sum()), n) for k, v in stats.items()}
     out["logp_diff"] = (float(((logp.detach() - mb.old_logp.to(logp.dtype)).abs() * mask).sum()), n)
     return loss, out
+
+
+class LossFn:
+    """The engines' ``loss_fn(logp, mb, entropy=None) -> (loss, stats)`` for one ``LossConfig``;
+    ``needs_entropy`` tells an engine to compute the per-token entropy from the logits."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.cfg.entropy_coef > 0
+
+    def __call__(self, logp, mb, entropy=None):
+        return micro_batch_loss(logp, mb, self.cfg, entropy)

@@ -1,7 +1,9 @@
 """One trainer step on this rank: split the step's samples into ``trainer.minibatches`` seeded
-minibatches, shard each over the data-parallel ranks, fill in the proximal logprobs (decoupled
-PPO: the weights *before* the step's first update) and the reference logprobs (KL penalty), then
-run one optimizer step per minibatch and sum the results over ranks.
+minibatches (each further cut so that no optimizer step exceeds ``trainer.max_tokens_per_step``),
+shard each over the data-parallel ranks into micro-batches (by count or by
+``max_tokens_per_micro_batch``; padded or packed), fill in the proximal logprobs (decoupled PPO:
+the weights *before* the step's first update) and the reference logprobs (KL penalty), then run
+one optimizer step per minibatch and sum the results over ranks.
 
 It is called by every rank with the same samples (rank 0 broadcasts them); Kafka, versions and
 the staleness gate are the caller's (``worker.py``, ``batch.plan_step``).
@@ -9,7 +11,7 @@ the staleness gate are the caller's (``worker.py``, ``batch.plan_step``).
 
 from __future__ import annotations
 
-from consumers.trainer.batch import sample_weights, shard_micro_batches, split_minibatches
+from consumers.trainer.batch import sample_weights, shard_micro_batches, split_by_tokens, split_minibatches
 from consumers.trainer.engines.base import all_reduce_sums, token_logprobs
 
 
@@ -17,10 +19,22 @@ def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> tuple[list[lis
     """The minibatches (every rank's samples) and, per minibatch, this rank's micro-batches with
     ``prox_logp``/``ref_logp`` filled when needed."""
     tc = trainer_cfg
-    minis = [m for m in split_minibatches(samples, tc.minibatches, tc.seed * 1_000_003 + step) if m]
+    minis = [
+        part
+        for m in split_minibatches(samples, tc.minibatches, tc.seed * 1_000_003 + step)
+        if m
+        for part in split_by_tokens(m, tc.max_tokens_per_step)
+    ]
     plans = [
         shard_micro_batches(
-            m, sample_weights(m, tc.loss), engine.rank, engine.world_size, tc.micro_batch_size, engine.pad_id
+            m,
+            sample_weights(m, tc.loss),
+            engine.rank,
+            engine.world_size,
+            tc.micro_batch_size,
+            engine.pad_id,
+            max_tokens=tc.max_tokens_per_micro_batch,
+            packing=tc.packing,
         )
         for m in minis
     ]
@@ -34,7 +48,9 @@ def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> tuple[list[lis
         with torch.no_grad():
             for mbs in plans:
                 for mb in mbs:
-                    mb.ref_logp = token_logprobs(ref, mb.to(engine.device)).cpu()
+                    mb.ref_logp = token_logprobs(
+                        ref, mb.to(engine.device), autocast_dtype=getattr(engine, "autocast", None)
+                    ).cpu()
     return minis, plans
 
 

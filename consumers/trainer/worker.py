@@ -2,11 +2,15 @@
 per G closed groups, writes versioned weights and announces them on rl.control.
 
 Per trainer step (version ``v`` -> ``v + 1``):
-  1. take the next G closed groups (complete, or incomplete past ``group_timeout_s``);
+  1. take the next G closed groups (complete, or incomplete past ``group_timeout_s``); with
+     ``dynamic_sampling`` groups whose rewards have zero variance are filtered first (they do not
+     count towards G; they are counted, logged with the step, and reported to the producers as
+     consumed: ``groups_consumed`` progress records and ``WeightUpdate.consumed_groups``);
   2. ``batch.plan_step``: drop samples with ``v - version_min > k`` (counted as ``stale_dropped``),
-     apply the incomplete-group policy, compute advantages;
+     apply the incomplete-group policy, compute advantages, mask truncated samples
+     (``overlong_filter``);
   3. the engine runs ``minibatches`` optimizer steps over the remaining samples;
-  4. every ``publish_every`` steps: weights -> ``write_weights`` (atomic), engine checkpoint,
+  4. every ``publish_every`` steps: weights (full, or the LoRA adapter) -> ``publish.write_version``, engine checkpoint,
      steps log, then the pointer (version, step, offsets, trained group ids) atomically, and only
      then the WeightUpdate on rl.control; offsets are also committed to Kafka for lag visibility.
 A restart loads the pointer, seeks each partition of rl.scored to its floor (``assign``, not the
@@ -19,20 +23,20 @@ samples; every rank trains its shard. Not a reward worker or a rollout follower.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
 
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
-from consumers.trainer.batch import plan_step, sample_from_record
+from consumers.trainer.batch import informative, plan_step, sample_from_record
 from consumers.trainer.engines import TrainContext, build_engine
 from consumers.trainer.engines.base import barrier, broadcast_object, dist_env
-from consumers.trainer.losses import micro_batch_loss
+from consumers.trainer.losses import LossFn
+from consumers.trainer.publish import write_version
 from consumers.trainer.state import TrainerCheckpoints
 from consumers.trainer.step import train_samples
-from pipeline.checkpoint import gc_versions, read_bytes_verified, write_weights
-from pipeline.control import ControlFollower, now_ms, publish_weight_update
+from pipeline.checkpoint import gc_versions, model_fingerprint, read_bytes_verified, write_weights
+from pipeline.control import ControlFollower, now_ms, publish_progress, publish_weight_update
 from pipeline.errors import ConfigError, DecodeError, KafkaClientError, RlstreamError
 from pipeline.kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition, client_conf, decode_message
 from pipeline.log import kv
@@ -77,17 +81,29 @@ class Trainer(Worker):
         mcfg = getattr(self.engine, "config", None)  # what only the trainer can check: ids and lengths
         self._vocab = getattr(mcfg, "vocab_size", None)
         self._max_len = getattr(mcfg, "max_position_embeddings", None)
+        if tc.packing:
+            check_packing(mcfg)
         self.ref = None
         if tc.loss.kl_coef > 0:
             self.ref = load_model(model_dir, device=str(self.engine.device)).eval().requires_grad_(False)
-        self.loss_fn = functools.partial(micro_batch_loss, cfg=tc.loss)
+        self.loss_fn = LossFn(tc.loss)
         self.version = self.step = 0
         self._pending_log: list[dict] = []
+        self._base_sha = (
+            model_fingerprint(model_dir) if self.engine.weights_kind == "adapter" and self.rank == 0 else ""
+        )
         ptr = self.ckpts.read_pointer()
         self._tags = [ptr["tag"]] if ptr else []
         if ptr:
             self.engine.load(self.ckpts.tag_dir(ptr["tag"]))
             self.version, self.step = int(ptr["version"]), int(ptr["step"])
+        # admission accounting (pipeline.control): groups consumed by committed steps, and the
+        # published version's count plus the groups filtered since (what producers admit from)
+        self.consumed = int(ptr.get("consumed_groups", self.version * self.G)) if ptr else 0
+        self._published = (self.version, self.consumed)
+        self._filtered: list = []  # groups filtered by dynamic sampling, waiting for the next step
+        self._filtered_since_pub = 0
+        self._progress_sent = self.consumed
         log.info("trainer state %s", kv(rank=self.rank, version=self.version, step=self.step, resumed=bool(ptr)))
         if self.rank == 0:
             cut = self.ckpts.truncate_steps(self.step)
@@ -176,13 +192,41 @@ class Trainer(Worker):
     def _dead_letter(self, msg, exc: DecodeError) -> None:
         rec = self.dead_letter(msg, exc.error_type, str(exc))
         self.producer.produce_record(self.cfg.topics.name("dlq"), "DeadLetter", rec, key=msg.key())
-        self.metrics.inc("dead_lettered")
+        self.metrics.inc("dead_letters")
+        self.metrics.inc(f"dead_letters.{exc.error_type}")
         log.error("dead-lettered record %s", kv(partition=msg.partition(), offset=msg.offset(), reason=exc))
+
+    def _filter(self) -> None:
+        """Dynamic sampling: set aside closed groups whose rewards have zero variance."""
+        if not self.tc.dynamic_sampling:
+            return
+        tc = self.tc
+        out = self.assembler.filter_ready(
+            lambda g: informative(g, self.version, self.k, tc.incomplete_groups, tc.dynamic_sampling_tol)
+        )
+        if out:
+            self._filtered.extend(out)
+            self._filtered_since_pub += len(out)
+            log.debug("filtered groups %s", kv(groups=[g.group_id for g in out], version=self.version))
+
+    def _publish_progress(self) -> None:
+        """While waiting for groups: tell producers how many groups this trainer has consumed
+        (filtered ones included), so admission keeps supplying (pipeline.control)."""
+        pub_version, pub_consumed = self._published
+        progress = pub_consumed + self._filtered_since_pub
+        if progress > self._progress_sent:
+            publish_progress(
+                self.producer, self.cfg.topics.name("control"), pub_version, progress, self.tc.trainer_id,
+                self.liveness.outage_s,
+            )  # fmt: skip
+            self._progress_sent = progress
+            self.metrics.set("admission_consumed_groups", progress)
 
     def _next(self):
         """Rank 0: ("step", samples), ("idle", None) or ("stop", None)."""
         if self.stop_event.is_set():
             return "stop", None
+        self._filter()
         groups = self.assembler.take(self.G)
         if groups is None:
             first = self.consumer.poll(self.tc.poll_timeout_s)
@@ -192,12 +236,16 @@ class Trainer(Worker):
                 log.warning("closed incomplete group %s", kv(group=g.group_id, have=len(g.samples), want=g.size))
             self.metrics.set("open_groups", len(self.assembler.open))
             self.metrics.set("ready_groups", len(self.assembler.ready))
-            self.metrics.maybe_publish()
+            self._filter()
             groups = self.assembler.take(self.G)
             if groups is None:
+                self._publish_progress()
+                self.metrics.maybe_publish()
                 return "idle", None
-        plan = plan_step(groups, self.version, self.k, self.tc.incomplete_groups, self.tc.advantage)
-        self._current = (groups, plan)
+        tc = self.tc
+        plan = plan_step(groups, self.version, self.k, tc.incomplete_groups, tc.advantage, tc.overlong_filter)
+        self._current = (groups, plan, self._filtered)
+        self._filtered = []
         return "step", plan.train
 
     # ---- the loop (every rank) -------------------------------------------------------------
@@ -238,10 +286,11 @@ class Trainer(Worker):
 
     def _account(self, result: dict, step_s: float) -> None:
         """Rank 0: dispose the step's records, count, log, report."""
-        groups, plan = self._current
-        for g in groups:
+        groups, plan, filtered = self._current
+        for g in [*groups, *filtered]:
             for s in g.samples:
                 self.offsets.dispose(s.partition, s.offset)
+        self.consumed += len(groups) + len(filtered)
         skipped = set(result["skipped_ids"])  # in an update that was skipped: not used
         used = [s for s in plan.train if s.trajectory_id not in skipped]
         m = self.metrics
@@ -254,16 +303,22 @@ class Trainer(Worker):
         m.inc("samples_update_skipped", len(skipped))
         m.inc("stale_dropped", len(plan.stale))
         m.inc("incomplete_dropped", len(plan.incomplete_dropped))
+        m.inc("groups_filtered", len(filtered))
+        m.inc("samples_filtered", sum(len(g.samples) for g in filtered))
+        m.inc("overlong_masked", len(plan.overlong))
         lags = plan.version_lag_counts()
         for name in [n for n in m.gauges if n.startswith("version_lag_")]:
             del m.gauges[name]
         rewards = [s.reward for s in plan.train]
+        sampled = [s.reward for s in [*plan.train, *plan.overlong]] + [s.reward for g in filtered for s in g.samples]
         gauges = {
             "step": self.step,
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "reward_mean_sampled": sum(sampled) / len(sampled) if sampled else 0.0,
+            "consumed_groups": self.consumed,
             "step_time_s": step_s,
             "samples_per_s": len(plan.train) / step_s if step_s > 0 else 0.0,
             **{f"loss_{k}": v for k, v in result["stats"].items()},
@@ -282,8 +337,23 @@ class Trainer(Worker):
                 "stale": [s.trajectory_id for s in plan.stale],
                 "incomplete_dropped": [s.trajectory_id for s in plan.incomplete_dropped],
                 "groups": [g.group_id for g in groups],
+                "filtered": [s.trajectory_id for g in filtered for s in g.samples],
+                "filtered_groups": [g.group_id for g in filtered],
+                "overlong": [s.trajectory_id for s in plan.overlong],
+                "consumed_groups": self.consumed,
                 "staleness": {str(d): n for d, n in lags.items()},
-                **{k: gauges[k] for k in ("loss", "grad_norm", "lr", "reward_mean", "samples_per_s", "step_time_s")},
+                **{
+                    k: gauges[k]
+                    for k in (
+                        "loss",
+                        "grad_norm",
+                        "lr",
+                        "reward_mean",
+                        "reward_mean_sampled",
+                        "samples_per_s",
+                        "step_time_s",
+                    )
+                },
             }
         )
         log.info(
@@ -295,6 +365,7 @@ class Trainer(Worker):
                 update_skipped=len(skipped),
                 stale=len(plan.stale),
                 incomplete_dropped=len(plan.incomplete_dropped),
+                filtered_groups=len(filtered),
                 loss=round(result["loss"], 5),
                 grad_norm=round(result["grad_norm"], 4),
                 reward=round(gauges["reward_mean"], 3),
@@ -310,18 +381,10 @@ class Trainer(Worker):
         update = None
         if self.rank == 0:
             t0 = time.monotonic()
-            uri, sha, nbytes = write_weights(self.cfg.store, self.version, sd)
-            update = {
-                "version": self.version,
-                "uri": uri,
-                "sha256": sha,
-                "bytes": nbytes,
-                "step": self.step,
-                "created_at_ms": now_ms(),
-                "format": "safetensors",
-                "trainer_id": self.tc.trainer_id,
-                "metadata": {"engine": self.tc.engine.type},
-            }
+            update = write_version(
+                self.engine, sd, self.cfg.store, self.version, self.step, self.tc, self.consumed, self._base_sha,
+                write_full=write_weights,  # looked up here, so rlstream.bench.trainer_steps can time it
+            )  # fmt: skip
             self.metrics.set("weights_write_ms", (time.monotonic() - t0) * 1e3)
         del sd
         t1 = time.monotonic()
@@ -341,6 +404,7 @@ class Trainer(Worker):
                 "offsets": snapshot,
                 "trained_groups": self.assembler.trained_ids(),
                 "update": update,
+                "consumed_groups": self.consumed,
                 "counters": dict(self.metrics.counters),
                 "written_at_ms": now_ms(),
             }
@@ -348,6 +412,9 @@ class Trainer(Worker):
         t2 = time.monotonic()
         publish_weight_update(self.producer, self.cfg.topics.name("control"), update, self.liveness.outage_s)
         t3 = time.monotonic()
+        self._published = (self.version, self.consumed)
+        self._filtered_since_pub = len(self._filtered)
+        self._progress_sent = self.consumed
         self._commit_offsets(snapshot)
         self._tags = [*self._tags, tag][-self.tc.keep_checkpoints :]
         self.ckpts.gc(self._tags)
@@ -399,6 +466,19 @@ class Trainer(Worker):
                 finally:
                     self.ckpts.unlock(self._lock)
                     self._lock = None
+
+
+PACKING_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"})
+
+
+def check_packing(model_config) -> None:
+    """ConfigError unless the model's attention implementation honours packed ``position_ids``."""
+    impl = getattr(model_config, "_attn_implementation", None)
+    if impl not in PACKING_ATTENTION:
+        raise ConfigError(
+            f"trainer.packing needs an attention implementation that separates packed sequences by their "
+            f"position_ids ({sorted(PACKING_ATTENTION)}); this model uses {impl!r}"
+        )
 
 
 def run(cfg, max_steps: int | None = None, stop=None) -> int:

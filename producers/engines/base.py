@@ -11,8 +11,10 @@ over the whole vocabulary (no top-k/top-p/penalties), ``T = 1`` for greedy decod
 
 Every engine is built as ``Engine(config, ctx)``: its own config section (``rollout.engine``) and
 an ``EngineContext``. What it can do is declared as class attributes (``max_model_len``,
-``step_wait_s``, ``weight_formats``), which the worker reads instead of checking names. The
-registry of engines is ``producers.engines.ENGINES``.
+``step_wait_s``, ``weight_formats``, ``weight_kinds``), which the worker reads instead of checking
+names: a WeightUpdate of a format or kind (``full`` weights or a LoRA ``adapter``) the engine does
+not declare is refused loudly by ``producers.weights``. The registry of engines is
+``producers.engines.ENGINES``.
 
 What this is not: a tokenizer or a Kafka client. The rollout worker owns prompts and commits;
 engines never see a message. Heavy libraries are imported only by the engine modules.
@@ -77,6 +79,9 @@ class Engine(ABC):
     """How long ``step`` should wait for results when the engine waits on something else (HTTP)."""
     weight_formats: frozenset[str] = frozenset({"safetensors"})
     """WeightUpdate formats ``load_weights`` accepts; the worker refuses others, loudly."""
+    weight_kinds: frozenset[str] = frozenset({"full"})
+    """WeightUpdate kinds ``load_weights`` accepts: ``full`` weights and/or LoRA ``adapter`` s
+    (``producers.engines.adapters``); the worker refuses others, loudly."""
 
     def __init__(self, config=None, ctx: EngineContext | None = None):
         self.config, self.ctx = config, ctx
@@ -102,7 +107,12 @@ class Engine(ABC):
 
     def prepare_weights(self, update: dict):
         """Fetch and verify the checkpoint a WeightUpdate names (sha256); may run in a background
-        thread while generation goes on. Returns what ``load_weights`` needs."""
+        thread while generation goes on. Returns what ``load_weights`` needs: a state dict for
+        full weights, a ``PreparedAdapter`` (checked against this worker's base model) for an adapter."""
+        if (update.get("kind") or "full") == "adapter":
+            from producers.engines.adapters import prepare_adapter
+
+            return prepare_adapter(update, self.ctx.model_dir)
         return read_weights(update["uri"], update["sha256"])
 
     @abstractmethod

@@ -10,6 +10,10 @@ Logprobs: the model's raw logits (what ``generate(output_logits=True)`` returns,
 processed ``output_scores``), ``log_softmax(logits / T)`` over the full vocabulary, evaluated at
 the sampled token; tokens are drawn from exactly that distribution (``T = 1`` for logprobs when
 greedy). What this is not: a fast server; use the vllm engine for throughput.
+
+Weights: ``full`` updates load in place with ``load_state_dict``; LoRA ``adapter`` updates go
+through PEFT (``producers.engines.adapters.PeftApplier``): the LoRA layers are injected once and
+each version's adapter tensors are copied into them, the base weights never move.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class _Row:
 
 class HFEngine(Engine):
     name = "hf"
+    weight_kinds = frozenset({"full", "adapter"})
 
     def __init__(self, cfg, ctx: EngineContext):
         super().__init__(cfg, ctx)
@@ -52,6 +57,7 @@ class HFEngine(Engine):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.model = load_model(model_dir, cfg.dtype, device).eval()
+        self._peft = None  # PeftApplier once an adapter was loaded
         self.refill_every = cfg.refill_every
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
@@ -101,6 +107,16 @@ class HFEngine(Engine):
     def load_weights(self, update: dict, prepared) -> None:
         if self.inflight():
             raise RuntimeError("load_weights with requests in flight")
+        if (update.get("kind") or "full") == "adapter":
+            from producers.engines.adapters import PeftApplier
+
+            self._peft = self._peft or PeftApplier(self.model)
+            self.model = self._peft.apply(prepared)
+            self.version = int(update["version"])
+            return
+        if self._peft is not None:  # full weights after adapters: back to the plain model
+            self.model = self._peft.unload()
+            self._peft = None
         missing, unexpected = self.model.load_state_dict(prepared, strict=False)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         missing = [k for k in missing if not (tied and k == "lm_head.weight")]

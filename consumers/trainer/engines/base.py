@@ -1,5 +1,6 @@
-"""The train-engine interface and what every engine shares: per-token logprobs from a causal LM,
-the learning-rate schedule, and small torch.distributed helpers (rank/world from the launcher's
+"""The train-engine interface and what every engine shares: per-token logprobs (and entropies) from
+a causal LM on padded or packed micro-batches, the learning-rate schedule (warmup, then constant,
+linear or cosine decay), and small torch.distributed helpers (rank/world from the launcher's
 environment, object broadcast, sums across ranks).
 
 An engine owns the trained model and its optimizer. It does not know about Kafka, versions or
@@ -10,6 +11,8 @@ and the trainer's settings it needs (learning rate, optimizer, seed, collective 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -90,16 +93,62 @@ def warmup_lambda(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / warmup_steps)
 
 
-def token_logprobs(model, mb):
-    """log pi(target_t | tokens_<=t) for every position of ``mb`` ([b, T-1], float32).
+def lr_lambda(optim, decay_steps: int):
+    """LambdaLR factor of optimizer step ``step`` (0-based) under ``optim`` (an ``OptimConfig``):
+    ``(step + 1) / W`` during ``W = warmup_steps`` steps of warmup, then with
+    ``p = clamp((step - W) / (decay_steps - W), 0, 1)`` and floor ``m = min_lr_ratio``:
+    constant 1; linear ``m + (1 - m)(1 - p)``; cosine ``m + (1 - m)(1 + cos(pi p)) / 2``."""
+    w, kind, floor = optim.warmup_steps, optim.lr_schedule, optim.min_lr_ratio
+    span = max(1, decay_steps - w)
 
+    def factor(step: int) -> float:
+        if w > 0 and step < w:
+            return (step + 1) / w
+        if kind == "constant":
+            return 1.0
+        p = min(1.0, max(0.0, (step - w) / span))
+        if kind == "linear":
+            return floor + (1.0 - floor) * (1.0 - p)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    return factor
+
+
+def token_logprobs(model, mb, entropy: bool = False, autocast_dtype=None):
+    """log pi(target_t | tokens_<=t) for every position of ``mb`` ([b, T-1], float32); with
+    ``entropy`` also the entropy of each position's next-token distribution (with gradient).
+
+    Padded micro-batches pass ``attention_mask``; packed ones pass ``position_ids`` and no mask,
+    which HF models turn into a block-causal mask (or varlen flash-attention). Only the model's
+    forward runs under ``autocast_dtype`` (mixed precision); the log-softmax math is float32.
     Uses ``gather - logsumexp`` on raw logits (no full log_softmax tensor kept)."""
     import torch
 
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    kw = {"input_ids": mb.input_ids, "use_cache": False}
+    if getattr(mb, "position_ids", None) is not None:
+        kw["position_ids"] = mb.position_ids
+    else:
+        kw["attention_mask"] = mb.attention_mask
+    device_type = mb.input_ids.device.type
+    ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    with ctx:
+        out = model(**kw)
     logits = out.logits[:, :-1].float()
     picked = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = picked - lse
+    if not entropy:
+        return logp
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, ent
+
+
+def forward_loss(model, mb, loss_fn, autocast_dtype=None):
+    """Logprobs (and entropies when ``loss_fn.needs_entropy``) of ``mb``, then ``loss_fn``."""
+    if getattr(loss_fn, "needs_entropy", False):
+        logp, ent = token_logprobs(model, mb, entropy=True, autocast_dtype=autocast_dtype)
+        return loss_fn(logp, mb, entropy=ent)
+    return loss_fn(token_logprobs(model, mb, autocast_dtype=autocast_dtype), mb)
 
 
 class TrainEngine(ABC):
@@ -108,6 +157,8 @@ class TrainEngine(ABC):
 
     multi_process: bool = True
     """Capability: runs under torchrun / the deepspeed launcher with several ranks."""
+    weights_kind: str = "full"
+    """What ``state_dict`` returns: ``full`` weights, or a LoRA ``adapter`` (then ``adapter_config``)."""
     rank: int = 0
     world_size: int = 1
     device = "cpu"
@@ -122,7 +173,12 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict | None:
-        """Full weights as CPU tensors with the HF model's names, on rank 0 (None elsewhere)."""
+        """The weights to publish as CPU tensors, on rank 0 (None elsewhere): the full model with
+        the HF model's names, or (``weights_kind == "adapter"``) the LoRA adapter with PEFT's names."""
+
+    def adapter_config(self) -> dict | None:
+        """PEFT's adapter config (``adapter_config.json``) when ``weights_kind == "adapter"``."""
+        return None
 
     @abstractmethod
     def save(self, path: Path) -> None:

@@ -5,6 +5,10 @@ when torch sees no CUDA); on GPUs it uses DeepSpeed's accelerator defaults (nccl
 Gradient accumulation is driven by the caller: every micro-batch but the last is marked as not a
 boundary, then one ``step()``; the loss weights are global, so DeepSpeed's 1/GAS scaling is off.
 The shm_comm op DeepSpeed JIT-builds on CPU is pre-built by scripts/build-deepspeed-ops.sh.
+``dtype = "bfloat16"`` is DeepSpeed's bf16 mode: bf16 weights and activations for compute, float32
+master weights and optimizer state inside ZeRO. LoRA (``trainer.lora``) wraps the model with PEFT
+adapters before ``deepspeed.initialize``; only the adapters are optimised, checkpointed
+(``exclude_frozen_parameters``) and published.
 Not covered: ZeRO-3 construction under ``zero.Init`` for models larger than one rank's memory
 (the model is loaded whole, then partitioned), and resuming with a different world size.
 """
@@ -20,13 +24,15 @@ from pathlib import Path
 
 import torch
 
+from consumers.trainer.engines import lora
 from consumers.trainer.engines.base import (
     StepResult,
     TrainContext,
     TrainEngine,
+    forward_loss,
+    lr_lambda,
     merge_stats,
     token_logprobs,
-    warmup_lambda,
 )
 from pipeline.log import kv
 from pipeline.models import load_model
@@ -93,19 +99,28 @@ class DeepSpeedEngine(TrainEngine):
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         torch.manual_seed(trainer_cfg.seed)
         module = load_model(model_dir, dtype="float32", device="cpu")
+        self.config = module.config
         if config.gradient_checkpointing:
             module.gradient_checkpointing_enable()
+        self.lora = trainer_cfg.lora
+        if self.lora is not None:
+            module = lora.apply_lora(module, self.lora, config.gradient_checkpointing)
+            self.weights_kind = "adapter"
         module.train()
-        self.config = module.config
         o = trainer_cfg.optim
         optimizer = torch.optim.AdamW(
-            module.parameters(), lr=trainer_cfg.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+            [p for p in module.parameters() if p.requires_grad],
+            lr=trainer_cfg.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
         )
         self.ds_config = ds_config(trainer_cfg)
+        decay = trainer_cfg.decay_steps()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,
             optimizer=optimizer,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda(o.warmup_steps)),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o, decay)),
             config=self.ds_config,
         )
         self.module = self.engine.module
@@ -128,8 +143,7 @@ class DeepSpeedEngine(TrainEngine):
         for i, mb in enumerate(micro_batches):
             mb = mb.to(self.device)
             self.engine.set_gradient_accumulation_boundary(i == last)
-            logp = token_logprobs(self.engine, mb)
-            loss, st = loss_fn(logp, mb)
+            loss, st = forward_loss(self.engine, mb, loss_fn)
             if not math.isfinite(float(loss.detach())):
                 raise FloatingPointError(f"non-finite loss {float(loss)} in micro-batch {i} ({mb.ids[:3]}...)")
             # DeepSpeed averages gradients over ranks; the loss weights are global, so undo the mean.
@@ -162,16 +176,27 @@ class DeepSpeedEngine(TrainEngine):
         return self._cpu_state() if self.rank == 0 else None
 
     def _cpu_state(self) -> dict:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        if self.lora is not None:
+            return {k: v.float() for k, v in lora.adapter_state(self.module).items()}
+        return {k: v.detach().float().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def adapter_config(self) -> dict | None:
+        return lora.adapter_config(self.module) if self.lora is not None else None
 
     def save(self, path: Path) -> None:
         path = Path(path)
-        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+        self.engine.save_checkpoint(
+            str(path.parent), tag=path.name, save_latest=False, exclude_frozen_parameters=self.lora is not None
+        )
 
     def load(self, path: Path) -> None:
         path = Path(path)
         load_path, _ = self.engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(path.parent),
+            tag=path.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=self.lora is None,
         )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint at {path}")

@@ -1,0 +1,255 @@
+"""Samples to tensors: the micro-batches an engine runs, padded or packed, and how a minibatch is cut
+into them (by sample count or by a token budget, the same number on every data-parallel rank).
+
+Two layouts of a ``MicroBatch`` (shifted arrays have length T - 1: position t predicts t + 1):
+
+* **padded** (``collate``): one right-padded row per sample; ``attention_mask`` marks real tokens.
+* **packed** (``pack``, ``trainer.packing``): every sample of the micro-batch concatenated into
+  one row with ``position_ids`` restarting at 0 per sample and no padding. The HF attention
+  implementations turn such position ids into a block-causal mask (sdpa/eager, via
+  ``transformers.masking_utils.find_packed_sequence_indices``) or varlen kernels (flash-attention),
+  so every token attends only to its own sample: the loss equals the padded computation's.
+  ``segments`` maps each position to its sample; the position ending sample i never predicts
+  sample i + 1's first token (that target is masked).
+
+Per-sample values (``advantages``, ``weights``) have one entry per sample in both layouts; the
+loss broadcasts them over a sample's tokens with ``segments`` (packed) or per row (padded).
+Everything is built with vectorised torch ops (one tensor per field, no per-token Python). Not
+the step plan (``batch.py``) nor the loss (``losses.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+_TENSORS = ("input_ids", "attention_mask", "targets", "token_mask", "old_logp", "advantages", "weights")
+_OPTIONAL = ("prox_logp", "ref_logp", "position_ids", "segments")
+
+
+@dataclass
+class MicroBatch:
+    """Tensors of one forward/backward. Shifted arrays have length T - 1 (position t predicts t + 1)."""
+
+    input_ids: object
+    attention_mask: object
+    targets: object
+    token_mask: object
+    """1.0 where a trained response token is predicted."""
+    old_logp: object
+    """Behaviour logprobs (from the rollout engine), aligned with ``targets``."""
+    advantages: object
+    """[n] per-sample advantage (n samples; a packed micro-batch has one row and n samples)."""
+    weights: object
+    """[n] per-sample aggregation weight (0 for dummy rows)."""
+    ids: list[str]
+    prox_logp: object = None
+    """decoupled_ppo: logprobs of the weights at the start of the step (recomputed, no grad)."""
+    ref_logp: object = None
+    """KL penalty: logprobs of the frozen reference model."""
+    position_ids: object = None
+    """Packed layout: [1, T] positions restarting at 0 per sample (None: padded layout)."""
+    segments: object = None
+    """Packed layout: [1, T - 1] index of the sample each shifted position belongs to (None: the row)."""
+
+    def to(self, device) -> MicroBatch:
+        out = MicroBatch(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        for k in _TENSORS:
+            setattr(out, k, getattr(self, k).to(device))
+        for k in _OPTIONAL:
+            if getattr(self, k) is not None:
+                setattr(out, k, getattr(self, k).to(device))
+        return out
+
+    def per_token(self, values):
+        """Broadcast a per-sample tensor ([n]) to the shape of ``token_mask``."""
+        if self.segments is None:
+            return values.unsqueeze(-1)
+        return values[self.segments]
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+
+def trainable_start(s) -> int:
+    """First response index that can be predicted (the first token needs a prompt token)."""
+    return 0 if s.prompt else 1
+
+
+def _dummy(pad_id: int) -> MicroBatch:
+    """A one-row all-zero-weight micro-batch (every data-parallel rank runs the same number of passes)."""
+    import torch
+
+    z = torch.zeros(1, 1)
+    return MicroBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones(1, 2, dtype=torch.long),
+        targets=torch.full((1, 1), pad_id, dtype=torch.long),
+        token_mask=z.clone(),
+        old_logp=z.clone(),
+        advantages=torch.zeros(1),
+        weights=torch.zeros(1),
+        ids=[],
+    )
+
+
+def _flat(samples):
+    """Token ids of every sample (prompt + response) as one tensor, plus the index tensors that
+    place them and their response tokens: (flat ids, lengths, prompt lengths, response row index,
+    response index j within its sample, response mask values, response logprobs)."""
+    import numpy as np
+    import torch
+
+    def flat(lists, dtype, n):  # numpy's fromiter is several times faster than torch.tensor(list)
+        return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype=dtype, count=n))
+
+    plens = torch.tensor([len(s.prompt) for s in samples], dtype=torch.long)
+    rlens = torch.tensor([len(s.response) for s in samples], dtype=torch.long)
+    lens = plens + rlens
+    n_tok, n_resp = int(lens.sum()), int(rlens.sum())
+    ids = flat((x for s in samples for x in (s.prompt, s.response)), np.int64, n_tok)
+    rows = torch.repeat_interleave(torch.arange(len(samples)), rlens)
+    j = torch.arange(n_resp) - torch.repeat_interleave(torch.cumsum(rlens, 0) - rlens, rlens)
+    masks = flat((s.mask for s in samples), np.float32, n_resp)
+    lps = flat((s.logprobs for s in samples), np.float32, n_resp)
+    return ids, lens, plens, rows, j, masks, lps
+
+
+def collate(samples: list, weights: list[float], pad_id: int = 0) -> MicroBatch:
+    """Right-padded tensors of ``samples``; an empty list gives a one-row all-zero-weight dummy."""
+    import torch
+
+    if not samples:
+        return _dummy(pad_id)
+    flat, lens, plens, rrows, j, rmask, rlps = _flat(samples)
+    b = len(samples)
+    t = max(int(lens.max()), 2)
+    rows = torch.repeat_interleave(torch.arange(b), lens)
+    cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    input_ids[rows, cols] = flat
+    attn = torch.zeros(b, t, dtype=torch.long)
+    attn[rows, cols] = 1
+    pos = plens[rrows] + j - 1  # position that predicts response token j
+    ok = pos >= 0  # j = 0 without a prompt: nothing predicts it
+    token_mask = torch.zeros(b, t - 1)
+    old = torch.zeros(b, t - 1)
+    token_mask[rrows[ok], pos[ok]] = rmask[ok]
+    old[rrows[ok], pos[ok]] = rlps[ok]
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attn,
+        targets=input_ids[:, 1:].clone(),
+        token_mask=token_mask,
+        old_logp=old,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        weights=torch.tensor(weights, dtype=torch.float32),
+        ids=[s.trajectory_id for s in samples],
+    )
+
+
+def pack(samples: list, weights: list[float], pad_id: int = 0) -> MicroBatch:
+    """One padding-free row holding every sample, ``position_ids`` restarting at 0 per sample."""
+    import torch
+
+    if not samples:
+        return _dummy(pad_id)
+    flat, lens, plens, rrows, j, rmask, rlps = _flat(samples)
+    total = int(lens.sum())
+    starts = torch.cumsum(lens, 0) - lens
+    if total < 2:  # a single one-token sample: pad to the two positions a shifted array needs
+        flat = torch.cat([flat, torch.full((2 - total,), pad_id, dtype=torch.long)])
+    n = flat.numel()
+    seg_of_token = torch.repeat_interleave(torch.arange(len(samples)), lens)
+    position_ids = torch.arange(total) - torch.repeat_interleave(starts, lens)
+    if n > total:
+        seg_of_token = torch.cat([seg_of_token, seg_of_token[-1:].expand(n - total)])
+        position_ids = torch.cat([position_ids, position_ids[-1:] + 1])
+    pos = starts[rrows] + plens[rrows] + j - 1
+    ok = plens[rrows] + j - 1 >= 0
+    token_mask = torch.zeros(1, n - 1)
+    old = torch.zeros(1, n - 1)
+    token_mask[0, pos[ok]] = rmask[ok]
+    old[0, pos[ok]] = rlps[ok]
+    input_ids = flat.unsqueeze(0)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones(1, n, dtype=torch.long),
+        targets=input_ids[:, 1:].clone(),
+        token_mask=token_mask,
+        old_logp=old,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        weights=torch.tensor(weights, dtype=torch.float32),
+        ids=[s.trajectory_id for s in samples],
+        position_ids=position_ids.unsqueeze(0),
+        segments=seg_of_token[:-1].unsqueeze(0),
+    )
+
+
+def seq_len(s) -> int:
+    return len(s.prompt) + len(s.response)
+
+
+def chunk(items: list, micro_batch_size: int, max_tokens: int | None, packing: bool) -> list[list]:
+    """Consecutive chunks of length-sorted ``(sample, weight)`` items: ``micro_batch_size`` items
+    each, or, with ``max_tokens``, as many as fit the budget (padded: rows x longest; packed: the sum
+    of lengths); an item longer than the budget gets a chunk of its own."""
+    if max_tokens is None:
+        return [items[i : i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
+    out: list[list] = []
+    cur: list = []
+    used = longest = 0
+    for it in items:
+        n = seq_len(it[0])
+        cost = used + n if packing else (len(cur) + 1) * max(longest, n)
+        if cur and cost > max_tokens:
+            out.append(cur)
+            cur, used, longest = [], 0, 0
+        cur.append(it)
+        used += n
+        longest = max(longest, n)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def shard_micro_batches(
+    samples: list,
+    weights: list[float],
+    rank: int,
+    world: int,
+    micro_batch_size: int,
+    pad_id: int = 0,
+    max_tokens: int | None = None,
+    packing: bool = False,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of one minibatch: samples ``rank::world``, length-sorted, cut by
+    ``chunk``, padded with dummies to the same count on every rank (every rank computes every
+    rank's cut, so no collective is needed)."""
+    per_rank = [list(zip(samples[r::world], weights[r::world], strict=True)) for r in range(world)]
+    cuts = [chunk(sorted(x, key=lambda sw: seq_len(sw[0])), micro_batch_size, max_tokens, packing) for x in per_rank]
+    n_micro = max(max(len(c) for c in cuts), 1)
+    mine = cuts[rank] + [[] for _ in range(n_micro - len(cuts[rank]))]
+    build = pack if packing else collate
+    return [build([s for s, _ in c], [w for _, w in c], pad_id) for c in mine]
+
+
+def split_by_tokens(samples: list, max_tokens: int | None) -> list[list]:
+    """Consecutive runs of ``samples`` with at most ``max_tokens`` (prompt + response) tokens each
+    (a longer sample is a run of its own); ``[samples]`` when there is no limit."""
+    if not max_tokens:
+        return [samples]
+    out: list[list] = []
+    cur: list = []
+    used = 0
+    for s in samples:
+        n = seq_len(s)
+        if cur and used + n > max_tokens:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(s)
+        used += n
+    if cur:
+        out.append(cur)
+    return out
