@@ -370,6 +370,28 @@ def chaos(
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 
+@app.command("run")
+def run_(
+    job: Annotated[Path, typer.Argument(help="Job file: the config plus a [job] section (see examples/).")],
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Train up to this step (trainer.max_steps)."),
+    no_live: bool = typer.Option(False, "--no-live", help="Plain progress lines instead of the live view."),
+    keep_broker: bool = typer.Option(False, "--keep-broker", help="Leave a local broker this run started running."),
+    set_: SetOpt = None,
+) -> None:
+    """Run a whole job on this machine: topics, every role as a supervised process, the live view, and
+    its run directory (config, logs, report, plots, TensorBoard). Run it again to resume it."""
+    from rlstream.config import load_config
+    from rlstream.job import kafka_for, resolve, run_job
+
+    path, sets = sources(job, set_)
+    flags = [f"trainer.max_steps={steps}"] if steps else []
+    base = load_config(path, sets)
+    with kafka_for(base, keep_broker, console.print) as bootstrap:
+        cfg = resolve(path, sets, flags=flags, bootstrap=bootstrap)
+        report = run_job(cfg, title=f"rlstream run {cfg.job.name}", live=False if no_live else None, console=console)
+    raise typer.Exit(0 if report["status"] == "ok" else 1)
+
+
 BENCHMARKS = ("async", "transport", "weights", "scaling")
 
 

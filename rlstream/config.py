@@ -32,6 +32,7 @@ from pipeline.kafka import DEFAULT_BOOTSTRAP
 from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
 from rlstream.eval import EvalConfig
+from rlstream.job import JobConfig
 from rlstream.tracking import TrackingConfig
 
 
@@ -95,6 +96,8 @@ class Config(StrictModel):
     """Evaluation while training (``rlstream eval``): a held-out dataset, scored every N versions."""
     tracking: TrackingConfig = TrackingConfig()
     """Experiment logging of rl.metrics: TensorBoard event files, W&B."""
+    job: JobConfig = JobConfig()
+    """``rlstream run``: the job's name, worker counts, eval, generated data (rlstream.job)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Standard-library logging level of every role."""
     run_dir: Path = Path("runs")

@@ -2,9 +2,10 @@
 
 It starts the local broker (unless ``kafka.bootstrap_servers`` names one), creates a fresh set of
 topics for the run, writes a toy verifiable task, and runs the feed, N rollout workers, M reward
-workers and the trainer as separate supervised processes (``rlstream.launcher``). It shows live
-progress, restarts a role that dies, stops after ``--steps`` trainer steps, stops everything it
-started (by PID), and writes a run directory with ``report.json`` and PNG plots.
+workers and the trainer as separate supervised processes: a preset of ``rlstream run``
+(``rlstream.job``), named ``demo-<run id>`` so every demo starts fresh. It shows live progress,
+restarts a role that dies, stops after ``--steps`` trainer steps, stops everything it started (by
+PID), and writes a run directory with ``report.json``, PNG plots and TensorBoard files.
 
 The toy task ("next digit"): the prompt is a digit and ``>``, e.g. ``7>``; the answer is the next
 digit mod 10 (``8``). The reward is 1 when the response starts with it (built-in ``exact_match``
@@ -18,7 +19,6 @@ the run's own (run dir, bootstrap). So a config file can replace the task, model
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import cli_overrides, load_tree, merge, validate
-from rlstream.config import Config, load_config
-from rlstream.launcher import Launcher, standard_roles
+from pipeline.config import cli_overrides, load_tree
+from rlstream.config import load_config
 
 TASK = "next_digit"
 CHARSET = "0123456789+=>? "
@@ -108,63 +107,43 @@ def flag_settings(opts: DemoOptions) -> list[str]:
     return sets
 
 
-def resolve(config_path, sets, opts: DemoOptions, run_dir: Path, run_id: str, bootstrap: str) -> Config:
-    """The demo run's config from every layer (see the module docstring)."""
-    tree = cli_overrides(demo_settings(run_dir, run_id))
-    merge(tree, load_tree(config_path or os.environ.get("RLSTREAM_CONFIG"), sets, dict(os.environ)))
-    merge(tree, cli_overrides(flag_settings(opts)))
-    merge(tree, cli_overrides([f"run_dir={json.dumps(str(run_dir))}", f"kafka.bootstrap_servers={bootstrap}"]))
-    tree.setdefault("feed", {}).setdefault("limit", opts.steps * tree.get("rl", {}).get("groups_per_step", 8) + 200)
-    return validate(Config, tree)
+def resolve(config_path, sets, opts: DemoOptions, run_id: str, bootstrap: str | None = None):
+    """The demo run's config: the demo's settings < the file < env < --set < the demo's flags, as a
+    job named ``demo-<run id>`` (fresh topics and run dir each time) with the next-digit data."""
+    from rlstream.job import resolve as resolve_job
 
-
-@contextlib.contextmanager
-def kafka_for(cfg: Config, keep_broker: bool, say):
-    """The configured cluster, else the local broker (started here, and stopped at the end
-    unless it was already running or ``keep_broker``)."""
-    if cfg.kafka.bootstrap_servers:
-        yield cfg.kafka.bootstrap_servers
-        return
-    from rlstream.broker import LocalBroker
-
-    broker = LocalBroker(cfg.broker)
-    started_here = broker.state() is None
-    state = broker.start(progress=say)
-    try:
-        yield state["bootstrap"]
-    finally:
-        if started_here and not keep_broker:
-            broker.stop(progress=say)
+    preset = cli_overrides(
+        [s for s in demo_settings(Path("."), run_id) if not s.startswith(("feed.source", "topics.prefix"))]
+    )
+    preset["job"] = {"dataset": {"generator": "next_digit"}}
+    flags = [*flag_settings(opts), f"job.rollout_workers={opts.rollout_workers}",
+             f"job.reward_workers={opts.reward_workers}", f"job.metrics_port_base={opts.metrics_port_base}"]  # fmt: skip
+    tree = load_tree(config_path, sets, dict(os.environ))
+    if not tree.get("trainer", {}).get("dynamic_sampling"):  # filtered groups need more prompts: no cap
+        groups_per_step = tree.get("rl", {}).get("groups_per_step", 8)
+        preset.setdefault("feed", {})["limit"] = opts.steps * groups_per_step + 200
+    return resolve_job(config_path, sets, preset, f"demo-{run_id}", flags, bootstrap)
 
 
 def run(config_path: Path | None, sets: list[str], opts: DemoOptions) -> dict:
     """The demo; returns its report (``status`` ``ok`` when the trainer reached ``--steps``)."""
     from rich.console import Console
 
+    from rlstream.job import kafka_for, run_job
+
     console = Console(stderr=True)
-    base = load_config(config_path, sets)
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = (Path(base.run_dir) / f"demo-{run_id}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_task(run_dir / "task.jsonl")
-    with kafka_for(base, opts.keep_broker, console.print) as bootstrap:
-        cfg = resolve(config_path, sets, opts, run_dir, run_id, bootstrap)
-        roles = standard_roles(cfg, opts.rollout_workers, opts.reward_workers, opts.metrics_port_base)
-        live = console.is_terminal if opts.live is None else opts.live
-        launcher = Launcher(cfg, run_dir, roles, title="rlstream demo", live=live, console=console)
-        launcher.run()
-    own_task = cfg.feed.source == run_dir / "task.jsonl"
-    return launcher.finish_report(
-        {
-            "run_dir": str(run_dir),
-            "max_staleness": cfg.rl.max_staleness,
-            "steps_requested": opts.steps,
-            "bootstrap": bootstrap,
-            "topic_prefix": cfg.topics.prefix,
-            "rollout_workers": opts.rollout_workers,
-            "reward_workers": opts.reward_workers,
-            "metrics_ports": {r.name: r.metrics_port for r in roles if r.metrics_port},
-            "task": TASK if own_task else str(cfg.feed.source),
-            "title": f"{TASK if own_task else 'custom task'}, k = {cfg.rl.max_staleness}",
-        }
-    )
+    with kafka_for(load_config(config_path, sets), opts.keep_broker, console.print) as bootstrap:
+        cfg = resolve(config_path, sets, opts, run_id, bootstrap)
+        own_task = cfg.job.dataset is not None and cfg.feed.source.name.startswith("next_digit")
+        return run_job(
+            cfg,
+            title="rlstream demo",
+            live=opts.live,
+            console=console,
+            extra_report={
+                "steps_requested": opts.steps,
+                "task": TASK if own_task else str(cfg.feed.source),
+                "title": f"{TASK if own_task else 'custom task'}, k = {cfg.rl.max_staleness}",
+            },
+        )

@@ -46,8 +46,12 @@ class EvalConfig(StrictModel):
     """Answer budget; 0 = rollout.max_new_tokens."""
     pass_threshold: float = 1.0
     """An answer passes when its reward is at least this."""
-    worker_id: str = Field("eval-0", pattern=r"^[A-Za-z0-9._-]+$")
+    worker_id: str = Field("eval", pattern=r"^[A-Za-z0-9._-]+$")
     """Id in metrics and client ids."""
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus /metrics on this port; 0 = off."""
+    heartbeat_s: float = Field(10.0, gt=0, le=3600)
+    """How often the evaluator publishes its gauges while waiting or generating (a sign of life)."""
 
 
 class Evaluator(Worker):
@@ -82,13 +86,17 @@ class Evaluator(Worker):
         self.pool = make_pool(self.cfg.reward, self.cfg.log_level)
         self.control = ControlFollower(self.cfg, "eval", self.worker_id)
         self.producer = Producer(client_conf(self.cfg, "eval", self.worker_id, kind="producer"))
-        self.metrics = WorkerMetrics("eval", self.worker_id, self.producer, self.cfg.topics.name("metrics"), 3600)
+        self.metrics = WorkerMetrics(
+            "eval", self.worker_id, self.producer, self.cfg.topics.name("metrics"), self.ec.heartbeat_s,
+            self.ec.prometheus_port,
+        )  # fmt: skip
         self.control.catch_up(self.liveness.startup_timeout_s)
         log.info(
             "evaluator started %s", kv(prompts=len(self.records), samples=self.ec.samples, every=self.ec.every_versions)
         )
 
     def run_once(self) -> bool:
+        self.metrics.maybe_publish()
         self.control.poll(0.5)
         self.control.commands.clear()
         upd = self.control.latest_update
@@ -122,7 +130,10 @@ class Evaluator(Worker):
                     )
                 )
                 meta.append((r, text))
-        outs = self.engine.generate(reqs, timeout=self.liveness.slow_op_s)
+        outs = []
+        for i in range(0, len(reqs), 64):  # in chunks, with a sign of life between them
+            outs += self.engine.generate(reqs[i : i + 64], timeout=self.liveness.slow_op_s)
+            self.metrics.maybe_publish()
         trajs = [
             {
                 "trajectory_id": req.rid,

@@ -16,6 +16,7 @@ launcher: for several machines run the roles yourself (docs/operations.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from pipeline.log import kv
 from rlstream.progress import Progress, render
 from rlstream.report import plot_report, write_report
 from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
+from rlstream.tracking import Tracker
 
 log = logging.getLogger(__name__)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -93,11 +95,14 @@ class Launcher:
         self.report: dict = {}
         self.t_start = time.monotonic()
         self.hang_after_s = 2 * cfg.liveness.watchdog_s + 30
+        self._last_tracked = 0.0
         self._worker_of = {self._worker_id(r): r.name for r in roles}
 
     def _worker_id(self, r: RoleSpec) -> str:
         if r.command == "train":
             return self.cfg.trainer.trainer_id
+        if r.command == "eval":
+            return self.cfg.eval.worker_id
         return r.name
 
     # -- steps -----------------------------------------------------------------------------------
@@ -117,7 +122,7 @@ class Launcher:
             self.start_role(sup, r, config_path)
 
     def start_role(self, sup: Supervisor, r: RoleSpec, config_path: Path) -> None:
-        prom = {"rollout": "rollout", "reward": "reward", "train": "trainer"}
+        prom = {"rollout": "rollout", "reward": "reward", "train": "trainer", "eval": "eval"}
         sets = [*r.sets, *([f"{prom[r.command]}.prometheus_port={r.metrics_port}"] if r.metrics_port else [])]
         args = [r.command, "--config", str(config_path), *(x for s in sets for x in ("--set", s))]
         sup.start(r.name, args, may_exit=r.may_exit)
@@ -146,6 +151,8 @@ class Launcher:
         lags_done = threading.Event()
         lags = threading.Thread(target=self._watch_lags, args=(lags_done,), name="lags", daemon=True)
         sup = self.sup = Supervisor(self.run_dir / "logs", {**env, **CHILD_ENV}, self.policy)
+        self.tracker = Tracker(self.cfg.tracking, self.run_dir, self.title)
+        targets = self._write_prometheus_targets()
         try:
             self.start_roles(sup, config_path)
             lags.start()
@@ -155,6 +162,9 @@ class Launcher:
             codes = sup.stop_all(timeout=self.cfg.liveness.shutdown_timeout_s + 10)
             self._drain_metrics(metrics, 1.0)
             metrics.close()
+            self.tracker.close()
+            if targets is not None:
+                targets.unlink(missing_ok=True)
             if lags.is_alive():
                 lags.join(timeout=self.cfg.kafka.request_timeout_s)
         self.report.update(status=status, exit_codes=codes, restarts=self._restarts, restarts_total=sup.restarts_total)
@@ -178,6 +188,9 @@ class Launcher:
                 self._check_hangs(sup)
                 self._restarts = sup.restarts()
                 now = time.monotonic()
+                if now - self._last_tracked > 10:
+                    self.tracker.lags(dict(self.lags))
+                    self._last_tracked = now
                 if view:
                     view.update(self._render())
                 elif now - last_print > 10:
@@ -207,6 +220,22 @@ class Launcher:
             except DecodeError:  # a foreign record on the metrics topic must not stop the run
                 continue
             self.progress.add(ev)
+            self.tracker.add(ev)
+
+    def _write_prometheus_targets(self) -> Path | None:
+        """Prometheus file-based discovery of this run's /metrics ports (infra/prometheus.yml reads
+        ``<run_dir>/../prometheus/*.json``); removed when the run ends."""
+        ported = [r for r in self.roles if r.metrics_port]
+        if not ported:
+            return None
+        path = self.run_dir.parent / "prometheus" / f"{self.run_dir.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        groups = [
+            {"targets": [f"127.0.0.1:{r.metrics_port}"], "labels": {"run": self.run_dir.name, "process": r.name}}
+            for r in ported
+        ]
+        path.write_text(json.dumps(groups, indent=2))
+        return path
 
     def _check_hangs(self, sup: Supervisor) -> None:
         """A live role whose MetricEvents stopped (after this process's first) is hung: kill, restart."""
@@ -276,6 +305,7 @@ class Launcher:
                 "reward_last10_mean": sum(last) / len(last) if last else None,
                 "reward_curve": [[s["step"], round(s["reward_mean"], 4)] for s in steps_log],
                 "staleness_histogram": self.progress.staleness(),
+                "eval_curve": self.progress.eval_curve(),
                 "steps": steps_log,
             }
         )

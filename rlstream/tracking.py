@@ -56,7 +56,9 @@ class Tracker:
                 log.warning("TensorBoard logging off: %s (pip install 'rlstream[track]')", exc)
             else:
                 self.dir = Path(tc.dir or Path(run_dir) / "tensorboard")
-                self.tb = SummaryWriter(str(self.dir), flush_secs=5)
+                # purge_step=0: a resumed run writes the whole history again; TensorBoard then drops
+                # the older files' copies instead of drawing every point twice
+                self.tb = SummaryWriter(str(self.dir), flush_secs=5, purge_step=0)
         if tc.wandb_project:
             import wandb
 

@@ -1,0 +1,177 @@
+"""``rlstream run JOB.toml``: a whole job on one node, resumable by running the same command again.
+
+A job file is the ordinary strict config plus a ``[job]`` section: its name, how many rollout and
+reward workers, whether an ``rlstream eval`` process runs beside them, and optionally a built-in
+dataset generator (``rlstream.tasks``). From the name come the job's fixed places: the topic prefix
+``<name>.``, the consumer groups and transactional ids ``<name>-<role>``, and the run directory ``<run_dir>/<name>`` (resolved config, logs, report.json,
+plots, TensorBoard, the trainer's checkpoints, generated data), unless the file sets them. So a
+second ``rlstream run`` of the same file finds the same topics, the feed's state on rl.control and
+the trainer's checkpoint, and goes on from there: no sample lost or trained twice (the roles'
+guarantees, docs/reliability.md). Ctrl-C stops every role cleanly; ``--steps`` raises the target.
+
+``rlstream demo`` is this with a preset job (the next-digit task) and a fresh name per run.
+What this is not: a cluster scheduler; for several machines run the roles yourself, or use the
+Helm chart (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from pipeline.config import StrictModel, cli_overrides, load_tree, merge, validate
+from pipeline.errors import ConfigError
+
+
+class DatasetConfig(StrictModel):
+    generator: str = Field(min_length=1)
+    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the generator."""
+    held_out: float = Field(0.0, ge=0.0, le=0.9)
+    """Share of the generated records kept out of training, as the eval set (``eval.source``)."""
+
+
+class JobConfig(StrictModel):
+    name: str = Field("", pattern=r"^[A-Za-z0-9._-]*$")
+    """The job's name: fixes its topic prefix (``<name>.``) and run dir (``<run_dir>/<name>``), so
+    running it again resumes it. '' = the job file's name without ``.toml``."""
+    rollout_workers: int = Field(2, ge=1, le=256)
+    """Rollout worker processes."""
+    reward_workers: int = Field(2, ge=1, le=256)
+    """Reward worker processes."""
+    eval: bool = False
+    """Run ``rlstream eval`` beside the pipeline (needs ``eval.source`` or ``dataset.held_out``)."""
+    dataset: DatasetConfig | None = None
+    """Generate the training data with a built-in generator instead of ``feed.source``."""
+    metrics_port_base: int = Field(0, ge=0, le=65000)
+    """Serve Prometheus /metrics: rollout-i on base+i, reward-i on base+10+i, trainer on base+20,
+    eval on base+30; the launcher also writes Prometheus file-based discovery targets (0 = off)."""
+
+
+def _has(tree: dict, dotted: str) -> bool:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def resolve(config_path, sets: list[str], preset: dict | None = None, name: str | None = None,
+            flags: list[str] | None = None, bootstrap: str | None = None):  # fmt: skip
+    """The job's config: ``preset`` < the job file < env < ``--set`` < ``flags``, then the job's own
+    places (topic prefix, consumer groups, transactional ids, run dir, generated data) where the
+    layers left them unset."""
+    from rlstream.config import Config
+
+    path = config_path or os.environ.get("RLSTREAM_CONFIG")
+    tree = merge(dict(preset or {}), load_tree(path, sets, dict(os.environ)))
+    merge(tree, cli_overrides(flags or []))
+    job = tree.setdefault("job", {})
+    job["name"] = name or job.get("name") or (Path(path).stem if path else "")
+    if not job["name"]:
+        raise ConfigError('a job needs a name: [job] name = "..." (or a job file, whose name is used)')
+    base = Path(tree.get("run_dir", "runs"))
+    tree["run_dir"] = str((base / job["name"]).resolve())
+    if not _has(tree, "topics.prefix"):
+        tree.setdefault("topics", {})["prefix"] = f"{job['name']}."
+    # the job's own consumer groups and transactional ids: two jobs on one cluster (or a demo run
+    # after another) never share a group, so neither waits out the other's static members
+    for key in ("rollout.group_id", "reward.group_id", "trainer.group_id", "reward.transactional_id_prefix"):
+        if not _has(tree, key):
+            section, field = key.split(".")
+            tree.setdefault(section, {})[field] = f"{job['name']}-{section}"
+    if bootstrap:
+        tree.setdefault("kafka", {})["bootstrap_servers"] = bootstrap
+    cfg = validate(Config, tree)
+    if cfg.job.dataset is not None:
+        generated_data(cfg, set_feed=not _has(tree, "feed.source"), set_eval=not _has(tree, "eval.source"))
+    if cfg.job.eval and cfg.eval.source is None:
+        raise ConfigError("job.eval = true needs eval.source (or job.dataset.held_out > 0)")
+    return cfg
+
+
+def generated_data(cfg, set_feed: bool, set_eval: bool) -> None:
+    """Write the job's generated dataset (train and held-out split) into its run dir, once."""
+    from rlstream.tasks import GENERATORS
+
+    d = cfg.job.dataset
+    if d.generator not in GENERATORS:
+        raise ConfigError(f"job.dataset.generator {d.generator!r}: built-ins are {', '.join(sorted(GENERATORS))}")
+    records = GENERATORS[d.generator](**d.options)
+    cut = int(len(records) * d.held_out)  # the generator's order is seeded, so the split is stable
+    data = Path(cfg.run_dir) / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for part, recs in (("train", records[cut:]), ("eval", records[:cut])):
+        f = data / f"{d.generator}-{part}.jsonl"
+        text = "".join(json.dumps(r) + "\n" for r in recs)
+        if not f.is_file() or hashlib.sha256(f.read_bytes()).digest() != hashlib.sha256(text.encode()).digest():
+            f.write_text(text)  # unchanged on a re-run: the feed's resume checks the dataset's hash
+    if set_feed:
+        cfg.feed.source = data / f"{d.generator}-train.jsonl"
+    if set_eval and cut:
+        cfg.eval.source = data / f"{d.generator}-eval.jsonl"
+
+
+@contextlib.contextmanager
+def kafka_for(cfg, keep_broker: bool, say):
+    """The configured cluster, else the local broker (started here, and stopped at the end
+    unless it was already running or ``keep_broker``)."""
+    if cfg.kafka.bootstrap_servers:
+        yield cfg.kafka.bootstrap_servers
+        return
+    from rlstream.broker import LocalBroker
+
+    broker = LocalBroker(cfg.broker)
+    started_here = broker.state() is None
+    state = broker.start(progress=say)
+    try:
+        yield state["bootstrap"]
+    finally:
+        if started_here and not keep_broker:
+            broker.stop(progress=say)
+
+
+def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_report: dict | None = None) -> dict:
+    """Start the job's roles under the launcher until the trainer reaches ``trainer.max_steps``;
+    returns the report (also in ``<run dir>/report.json``)."""
+    from rich.console import Console
+
+    from rlstream.launcher import Launcher, RoleSpec, standard_roles
+
+    console = console or Console(stderr=True)
+    j = cfg.job
+    roles = standard_roles(cfg, j.rollout_workers, j.reward_workers, j.metrics_port_base)
+    if j.eval:
+        roles.append(
+            RoleSpec(
+                "eval", "eval", may_exit=False, metrics_port=j.metrics_port_base + 30 if j.metrics_port_base else 0
+            )
+        )
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    live = console.is_terminal if live is None else live
+    launcher = Launcher(cfg, run_dir, roles, title=title, live=live, console=console)
+    launcher.run()
+    return launcher.finish_report(
+        {
+            "job": j.name,
+            "run_dir": str(run_dir),
+            "max_staleness": cfg.rl.max_staleness,
+            "steps_requested": cfg.trainer.max_steps,
+            "bootstrap": cfg.kafka.bootstrap_servers,
+            "topic_prefix": cfg.topics.prefix,
+            "rollout_workers": j.rollout_workers,
+            "reward_workers": j.reward_workers,
+            "metrics_ports": {r.name: r.metrics_port for r in roles if r.metrics_port},
+            "title": f"{j.name}, k = {cfg.rl.max_staleness}",
+            **(extra_report or {}),
+        }
+    )
