@@ -19,6 +19,9 @@ from pipeline.log import kv
 
 log = logging.getLogger(__name__)
 
+ZERO_COUNTERS = ("dead_letters",)
+"""Counters every worker reports from its first event on, even while they are 0."""
+
 
 class WorkerMetrics:
     def __init__(
@@ -36,6 +39,8 @@ class WorkerMetrics:
         self.labels = dict(labels or {})
         self.version = -1
         self.counters: dict[str, float] = defaultdict(float)
+        for name in ZERO_COUNTERS:  # reported from the start: dashboards and alerts see a 0, not no data
+            self.counters[name] = 0.0
         self.gauges: dict[str, float] = {}
         self.windows: dict[str, list[float]] = defaultdict(list)
         self._last_counters: dict[str, float] = {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +48,9 @@ class DemoOptions:
 
 def write_task(path: Path, seed: int = 0) -> Path:
     """The 10 prompts of the next-digit task as JSONL (the feed cycles over them in epochs)."""
-    rng = random.Random(seed)
-    digits = list(range(10))
-    rng.shuffle(digits)
-    with open(path, "w") as f:
-        for d in digits:
-            rec = {"id": f"d{d}", "prompt": f"{d}>", "task": TASK, "reference": {"answer": str((d + 1) % 10)}}
-            f.write(json.dumps(rec) + "\n")
+    from rlstream.tasks import next_digit
+
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in next_digit(seed)))
     return path
 
 

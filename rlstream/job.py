@@ -40,8 +40,9 @@ class DatasetConfig(StrictModel):
 
 class JobConfig(StrictModel):
     name: str = Field("", pattern=r"^[A-Za-z0-9._-]*$")
-    """The job's name: fixes its topic prefix (``<name>.``) and run dir (``<run_dir>/<name>``), so
-    running it again resumes it. '' = the job file's name without ``.toml``."""
+    """The job's name: fixes its topic prefix (``<name>.``), consumer groups (``<name>-<role>``) and
+    run dir (``<run_dir>/<name>``), so running it again resumes it. '' = the job file's name
+    without ``.toml``."""
     rollout_workers: int = Field(2, ge=1, le=256)
     """Rollout worker processes."""
     reward_workers: int = Field(2, ge=1, le=256)

@@ -4,6 +4,7 @@
 #   bubblewrap               the code-reward sandbox (apt-get, only as root and only if missing)
 #   helm v3.22.0             built from the Go module proxy into $BIN (~/.cache/rlstream/bin)
 #   compose-config           infra/tools/compose-config (compose-spec's loader) into $BIN
+#   prometheus               Debian's package, unpacked (no root, no service) into $BIN
 #   kubernetes-validate      into the project's virtualenv (offline Kubernetes schema checks)
 #   the Kafbat UI serde      infra/kafbat-serde -> target/plugin (Kafbat's filePath) and target/cli-lib
 # A step whose toolchain is missing (go, mvn, apt-get/root) is reported and skipped; the tests that
@@ -15,6 +16,7 @@ VENV=${RLSTREAM_VENV:-$ROOT/.venv}
 BIN=${RLSTREAM_CACHE:-$HOME/.cache/rlstream}/bin
 HELM_VERSION=v3.22.0
 KUBERNETES_VALIDATE=1.37.0
+PROMETHEUS_DEB=2.42.0+ds-5+deb12u1
 STRICT=0
 [ "${1:-}" = "--strict" ] && STRICT=1
 mkdir -p "$BIN"
@@ -67,6 +69,27 @@ elif command -v go >/dev/null; then
   fi
 else
   skip compose-config "go not found"
+fi
+
+# --- prometheus ------------------------------------------------------------------------------
+# `apt-get download` needs no root; the binary is static. The scrape test (tests/test_prometheus.py)
+# runs it against infra/prometheus.yml.
+if [ -x "$BIN/prometheus" ] && [ "$(cat "$BIN/.prometheus.version" 2>/dev/null)" = "$PROMETHEUS_DEB" ]; then
+  say "prometheus $PROMETHEUS_DEB: $BIN/prometheus"
+elif command -v apt-get >/dev/null && command -v dpkg >/dev/null; then
+  say "unpacking Debian's prometheus $PROMETHEUS_DEB into $BIN"
+  tmp=$(mktemp -d)
+  if (cd "$tmp" && apt-get download -q "prometheus=$PROMETHEUS_DEB" >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get download -q prometheus >/dev/null 2>&1; }) \
+      && dpkg -x "$tmp"/prometheus_*.deb "$tmp/x" && cp "$tmp/x/usr/bin/prometheus" "$BIN/prometheus"; then
+    echo "$PROMETHEUS_DEB" >"$BIN/.prometheus.version"
+    say "prometheus: $("$BIN/prometheus" --version 2>&1 | head -1)"
+  else
+    skip prometheus "apt-get download failed"
+  fi
+  rm -rf "$tmp"
+else
+  skip prometheus "apt-get/dpkg not found"
 fi
 
 # --- kubernetes-validate ---------------------------------------------------------------------

@@ -10,26 +10,14 @@ every role it started.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from pathlib import Path
 
+from rlstream.demo import write_task  # noqa: F401  (the tests' task file)
+
 TASK = "next_digit"
 CHARSET = "0123456789+=>? "
-
-
-def write_task(path: Path, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    digits = list(range(10))
-    rng.shuffle(digits)
-    with open(path, "w") as f:
-        for d in digits:
-            f.write(
-                json.dumps({"id": f"d{d}", "prompt": f"{d}>", "task": TASK, "reference": {"answer": str((d + 1) % 10)}})
-            )
-            f.write("\n")
-    return path
 
 
 def settings(task_file: Path, prefix: str, steps: int, G: int = 8, n: int = 8, k: int = 1) -> list[str]:

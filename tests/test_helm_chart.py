@@ -198,7 +198,7 @@ def test_strimzi_values_reach_rlstream_and_keda(tmp_path):
         "ssl.ca.location": "/etc/rlstream/kafka-ca/ca.crt",
     }
     assert cfg["topics"]["prefix"] == "rl." and cfg["topics"]["replication_factor"] == 3
-    assert cfg["reward"]["group_id"] == "rlstream-reward" and cfg["reward"]["prometheus_port"] == 9102
+    assert cfg["reward"]["group_id"] == "rlstream-reward" and cfg["reward"]["prometheus_port"] == 9110
     assert cfg["reward"]["worker_id"] == "rl-rlstream-reward-7d9f-abcde"
     ca_mount = next(m for m in c["volumeMounts"] if m["name"] == "kafka-ca")
     ca_vol = next(v for v in reward["volumes"] if v["name"] == "kafka-ca")
