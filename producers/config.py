@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config import StrictModel, plugin_union
 
@@ -104,11 +104,32 @@ class OpenAIEngineConfig(StrictModel):
     """Socket timeout of one request."""
     max_retries: int = Field(3, ge=0, le=100)
     """Retries of a request that failed to connect or got a 5xx, with backoff; then the worker stops."""
-    reload: Literal["post", "none"] = "post"
-    """How new weights reach the server: ``post`` = POST {uri, sha256, version} to ``reload_path``;
-    ``none`` = the server is updated by someone else and the notice's version is trusted."""
+    reload: Literal["rlstream", "vllm", "none"] = "rlstream"
+    """How new weights reach the server (docs/engines.md, "Which reload mode for which server"):
+    ``rlstream`` = POST {uri, sha256, version, kind} to ``reload_path`` (rlstream's own server,
+    ``producers.openai_server``, or a proxy of yours); ``vllm`` = a stock vLLM OpenAI server started
+    with ``VLLM_SERVER_DEV_MODE=1``: ``collective_rpc reload_weights`` of the notice's
+    ``metadata.hf_dir`` (``trainer.publish_hf``), prefix-cache reset and a weight-version handshake;
+    ``none`` = the server is updated by someone else and the notice's version is trusted.
+    ``post`` is read as ``rlstream`` (its old name)."""
     reload_path: str = "/rlstream/load_weights"
-    """Path (relative to the host, not /v1) of the reload endpoint for ``reload = "post"``."""
+    """Path (relative to the host, not /v1) of the reload endpoint for ``reload = "rlstream"``."""
+    reload_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """Longest one reload call may take (``rlstream``: the POST; ``vllm``: vLLM's RPC timeout and
+    the socket timeout); the other control calls (version check, cache reset) get at most 30 s."""
+    version_check_s: float = Field(5.0, ge=0, le=3600)
+    """``vllm``: a request starts only if the server's weight version was confirmed to be the
+    engine's within this many seconds (re-read with ``GET /weight_info`` when older; always after a
+    failed connection), so a server restarted underneath (base weights again) stops the worker
+    instead of mislabelling trajectories. 0 = confirm only after each reload."""
+    lora_name: str = Field("rlstream-lora", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+    """``vllm``: name under which a LoRA adapter (``kind = "adapter"`` without an HF directory) is
+    loaded with ``/v1/load_lora_adapter`` and then requested as ``model``."""
+
+    @field_validator("reload", mode="before")
+    @classmethod
+    def _old_reload_name(cls, v):
+        return "rlstream" if v == "post" else v
 
 
 class SimEngineConfig(StrictModel):

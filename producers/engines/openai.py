@@ -8,13 +8,23 @@ does the batching). Requests carry the prompt as token ids and ask for ``logprob
 tokens it already has. Start vLLM with ``--logprobs-mode processed_logprobs`` so its logprobs are
 ``log_softmax(logits / T)`` like the other engines'.
 
-Weights: with ``reload = "post"`` the engine verifies the checkpoint (sha256) and POSTs
-``{uri, sha256, version, kind}`` to the server's reload endpoint, which must load them before it
-answers; a LoRA adapter (``kind = "adapter"``) adds ``adapter_dir`` (the PEFT directory beside
-the file: ``adapter_config.json`` + ``adapter_model.safetensors``), ``adapter_rank``,
-``adapter_alpha``, ``adapter_target_modules`` and ``base_sha256``, and a server that cannot apply
-adapters must answer an error (the worker then stops loudly). Threads are supervised: an error in
-a request thread is raised by ``step``.
+Weights (``reload``, see docs/engines.md "Which reload mode for which server"):
+
+* ``rlstream``: the engine verifies the checkpoint (sha256) and POSTs ``{uri, sha256, version,
+  kind}`` to the server's reload endpoint (``producers.openai_server``'s ``/rlstream/load_weights``
+  or a proxy), which must load them before it answers (and, if its answer names a ``version``, that
+  version); a LoRA adapter (``kind = "adapter"``) adds ``adapter_dir`` (the PEFT directory beside
+  the file: ``adapter_config.json`` + ``adapter_model.safetensors``), ``adapter_rank``,
+  ``adapter_alpha``, ``adapter_target_modules`` and ``base_sha256``, and a server that cannot
+  apply adapters must answer an error (the worker then stops loudly).
+* ``vllm``: a stock vLLM server, reloaded from the notice's ``metadata.hf_dir`` through its
+  development endpoints with a weight-version handshake (``producers.engines.vllm_server``).
+* ``none``: someone else updates the server; the notice's version is trusted.
+
+In every mode the engine's ``version`` changes only once the server has confirmed the load, and
+only with nothing in flight (the worker drains, or aborts and resumes, first), so no request
+tagged with the new version starts before the server holds it. Threads are supervised: an error
+in a request thread is raised by ``step``.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from urllib.parse import urlsplit
 
 from pipeline.checkpoint import read_bytes_verified
 from pipeline.errors import RlstreamError
+from pipeline.log import kv
 from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 log = logging.getLogger(__name__)
@@ -36,6 +47,11 @@ log = logging.getLogger(__name__)
 
 class EngineHTTPError(RlstreamError):
     """The completions server answered with an error, or the connection failed past the retries."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        """The HTTP status the server answered (None: no answer)."""
 
 
 class _Call:
@@ -63,11 +79,18 @@ class OpenAIEngine(Engine):
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="openai-req")
         self.calls: dict[str, tuple[_Call, Future]] = {}
         self.model = cfg.model or self._first_model()
+        self.reloader = None
+        """``reload = "vllm"``: the server's weight-version state (``vllm_server.VLLMReloader``)."""
+        if cfg.reload == "vllm":
+            from producers.engines.vllm_server import VLLMReloader
+
+            root = self._prefix[: -len("/v1")] if self._prefix.endswith("/v1") else self._prefix
+            self.reloader = VLLMReloader(self._json, cfg, root)
 
     # -- HTTP ------------------------------------------------------------------------------------
-    def _conn(self) -> http.client.HTTPConnection:
+    def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-        return cls(self._host, self._port, timeout=self.cfg.timeout_s)
+        return cls(self._host, self._port, timeout=timeout or self.cfg.timeout_s)
 
     def _headers(self) -> dict:
         h = {"Content-Type": "application/json"}
@@ -75,15 +98,21 @@ class OpenAIEngine(Engine):
             h["Authorization"] = f"Bearer {self.cfg.api_key}"
         return h
 
-    def _json(self, method: str, path: str, body: dict | None = None) -> dict:
-        conn = self._conn()
+    def _json(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        """One call with a bounded socket timeout (``timeout_s`` unless given); a non-200 answer
+        raises ``EngineHTTPError``. An empty or non-JSON 200 answer reads as ``{"text": ...}``."""
+        conn = self._conn(timeout)
         try:
             conn.request(method, path, json.dumps(body) if body is not None else None, self._headers())
             resp = conn.getresponse()
             data = resp.read()
             if resp.status != 200:
-                raise EngineHTTPError(f"{method} {path}: HTTP {resp.status}: {data[:500]!r}")
-            return json.loads(data)
+                raise EngineHTTPError(f"{method} {path}: HTTP {resp.status}: {data[:500]!r}", status=resp.status)
+            try:
+                out = json.loads(data)
+            except ValueError:
+                return {"text": data.decode("utf-8", "replace")}
+            return out if isinstance(out, dict) else {"value": out}
         finally:
             conn.close()
 
@@ -104,7 +133,7 @@ class OpenAIEngine(Engine):
     def _run(self, call: _Call) -> GenOutput:
         req = call.req
         body = {
-            "model": self.model,
+            "model": (self.reloader and self.reloader.model_override) or self.model,
             "prompt": list(req.context),
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
@@ -120,6 +149,8 @@ class OpenAIEngine(Engine):
             if call.aborted.is_set():
                 return GenOutput(req.rid, call.tokens, call.logprobs, "abort")
             try:
+                if self.reloader is not None:  # the server must still hold this engine's version
+                    self.reloader.check(force=attempt > 0)
                 return self._stream(call, body)
             except (ConnectionError, http.client.HTTPException, TimeoutError, OSError, _Retry) as exc:
                 if call.aborted.is_set():
@@ -203,15 +234,25 @@ class OpenAIEngine(Engine):
         return out
 
     def prepare_weights(self, update: dict):
+        if self.reloader is not None:  # the server reads an HF directory, checked here
+            from producers.engines.vllm_server import plan_load
+
+            return plan_load(update, self.ctx.model_dir if self.ctx else None)
         read_bytes_verified(update["uri"], update["sha256"])  # fail here, not on the server
         return None
 
     def load_weights(self, update: dict, prepared) -> None:
         if self.calls:
             raise RuntimeError("load_weights with requests in flight")
-        if self.cfg.reload == "post":
-            self._json("POST", self.cfg.reload_path, reload_body(update))
-        self.version = int(update["version"])
+        v = int(update["version"])
+        if self.cfg.reload == "rlstream":
+            got = self._json("POST", self.cfg.reload_path, reload_body(update), self.cfg.reload_timeout_s)
+            if "version" in got and int(got["version"]) != v:
+                raise EngineHTTPError(f"{self.cfg.reload_path} answered version {got['version']} for v{v}")
+        elif self.reloader is not None:
+            secs = self.reloader.load(update, prepared or self.prepare_weights(update))
+            log.info("vLLM server reloaded %s", kv(version=v, seconds=round(secs, 3)))
+        self.version = v  # only now: the server confirmed it holds v
 
     def close(self) -> None:
         self.abort()
@@ -223,7 +264,7 @@ class _Retry(Exception):
 
 
 def reload_body(update: dict) -> dict:
-    """The JSON body of ``reload = "post"`` for a WeightUpdate."""
+    """The JSON body of ``reload = "rlstream"`` for a WeightUpdate."""
     body = {
         "uri": update["uri"],
         "sha256": update["sha256"],
