@@ -2,6 +2,11 @@
 checkpoint in a background thread while generation goes on, and hand it to the engine at the
 safe point the worker chooses (``load``).
 
+The background part is the engine's ``prepare_weights``: for a sharded checkpoint (format
+``safetensors-sharded``) it reads the shards in parallel, verifies each against the index the
+notice's sha256 covers, and stages each as soon as it is verified (``pipeline.checkpoint``). The
+generation pause is ``load`` alone (``swap ms``), which an engine keeps to a swap where it can.
+
 A notice whose format the engine does not declare in ``weight_formats``, or whose kind (``full``
 weights or a LoRA ``adapter``) it does not declare in ``weight_kinds``, is refused loudly
 (``WeightFormatError``, the worker exits non-zero): a worker never generates under weights it did
@@ -69,7 +74,7 @@ class WeightSync:
         upd = self.control.latest_update
         if upd is not None and upd["version"] > self.engine.version and not self.pending:
             check_loadable(upd, self.engine)
-            log.info("fetching weights %s", kv(version=upd["version"], uri=upd["uri"]))
+            log.info("fetching weights %s", kv(version=upd["version"], uri=upd["uri"], format=upd.get("format")))
             self._fetch = (upd, self._loader.submit(self.engine.prepare_weights, upd), time.monotonic())
         if self._fetch is not None and self._fetch[1].done():
             upd, fut, t0 = self._fetch

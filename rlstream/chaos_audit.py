@@ -13,8 +13,12 @@ committed steps only) and the injected bad records:
   ``filtered``, ``overlong``); stalled: a fed group that reached rl.scored but no finished step;
 * scored twice: two committed ScoredTrajectory records of one rl.rollouts (partition, offset);
 * trained twice: a trajectory id in ``used`` more than once;
-* staleness: a used sample whose step version minus its ``version_min`` (from the copy on rl.scored
-  the trainer reads first: the lowest offset of its partition) exceeds k;
+* staleness: a used sample whose step version minus the version of its oldest trained token
+  exceeds k. That version is the ``version_min`` of the copy on rl.scored the trainer reads first
+  (the lowest offset of its partition); under ``trainer.staleness_rule = "token"``, for a sample
+  the step lists in ``token_masked`` (its oldest tokens masked), it is the version of the first
+  trained token (``from``), computed from that record's own ``metadata["versions"]`` marks, not
+  taken from the trainer's ``oldest`` (a claim that disagrees with the record is a violation too);
 * non-finite steps: a step whose loss or grad norm is NaN/inf;
 * the DLQ: every injected record must be there (matched by source topic/partition/offset; a bad
   rollout that was scored and then refused by the trainer is matched through its scored copy),
@@ -53,6 +57,7 @@ def _reduce(role: str, rec: dict) -> dict:
             "tid": t["trajectory_id"],
             "gid": t["group_id"],
             "version_min": t["version_min"],
+            "versions": (t.get("metadata") or {}).get("versions"),
             "src": (rec["source_partition"], rec["source_offset"]),
         }
     return {
@@ -86,6 +91,18 @@ def read_topics(cfg, timeout: float = 300.0) -> dict[str, list[dict]]:
 # ---- checks ----------------------------------------------------------------------------------
 def _finite(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
+
+
+def version_at(marks: str | None, version_min: int, index: int) -> int:
+    """The version that generated response token ``index``, by a record's ``"i@v,..."`` marks
+    (producers/sample.py: version v from index i to the next mark); ``version_min`` before the
+    first mark, and for the whole response when the marks are missing or unreadable."""
+    try:
+        pairs = [m.split("@") for m in marks.split(",")] if marks else []
+        before = [(int(i), int(v)) for i, v in pairs if int(i) <= index]
+    except ValueError:  # unreadable (or "i@v@w"): the conservative reading
+        return version_min
+    return max(before)[1] if before else version_min
 
 
 def audit(
@@ -134,7 +151,7 @@ def audit(
 
     # what reached each topic, per group
     scored_tids, rollout_tids = defaultdict(set), defaultdict(set)
-    first_copy: dict[str, tuple[int, int, int]] = {}  # tid -> (partition, offset, version_min)
+    first_copy: dict[str, tuple] = {}  # tid -> (partition, offset, version_min, versions marks)
     by_source: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     scored_src: dict[tuple[int, int], tuple[int, int]] = {}
     for row in data["scored"]:
@@ -146,7 +163,7 @@ def audit(
             by_source[row["src"]].append((row["p"], row["o"]))
         prev = first_copy.get(row["tid"])
         if prev is None or (row["p"], row["o"]) < prev[:2]:
-            first_copy[row["tid"]] = (row["p"], row["o"], row["version_min"])
+            first_copy[row["tid"]] = (row["p"], row["o"], row["version_min"], row.get("versions"))
     for row in data["rollouts"]:
         if not row.get("bad"):
             rollout_tids[row["gid"]].add(row["tid"])
@@ -185,10 +202,18 @@ def audit(
     # staleness bound
     viol = []
     for s in steps:
+        cuts = s.get("token_masked") or {}
         for t in s["used"]:
             copy = first_copy.get(t)
-            if copy is not None and s["version"] - copy[2] > k:
-                viol.append({"step": s["step"], "version": s["version"], "trajectory": t, "version_min": copy[2]})
+            if copy is None:
+                continue
+            oldest, cut = copy[2], cuts.get(t)
+            if cut is not None:  # token rule: trained from index cut["from"]; its version from the record
+                oldest = version_at(copy[3], copy[2], cut["from"])
+            if s["version"] - oldest > k or (cut is not None and cut.get("oldest") != oldest):
+                v = {"step": s["step"], "version": s["version"], "trajectory": t, "version_min": copy[2]}
+                viol.append(v if cut is None else {**v, "trained_from": cut["from"], "oldest_trained": oldest,
+                                                   "claimed_oldest": cut.get("oldest")})  # fmt: skip
     r["staleness_violations"], r["staleness_examples"] = len(viol), viol[:EXAMPLES]
     r["dropped_as_stale_but_fresh"] = sum(  # a loss disguised as staleness
         1 for s in steps for t in s["stale"] if t in first_copy and s["version"] - first_copy[t][2] <= k

@@ -282,10 +282,16 @@ def replay(
     source_prefix: Annotated[str, typer.Argument(help="Topic prefix of the run whose scored log to replay, e.g. rl.")],
     to_prefix: str | None = typer.Option(None, "--to-prefix", help="New topic prefix (default replay-<id>.)."),
     steps: int | None = typer.Option(None, "--steps", help="Stop after this many steps (default: all the log holds)."),
+    from_run: Path | None = typer.Option(
+        None,
+        "--from-run",
+        help="The original run dir (or its trainer checkpoint dir): replay its steps exactly, group for group.",
+    ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Re-train a fresh trainer (new topics, checkpoint dir and control topic) on an existing rl.scored log."""
+    """Re-train a fresh trainer (new topics, checkpoint dir and control topic) on an existing rl.scored log:
+    the original's steps with --from-run, else groups in group_seq order (see rlstream/replay.py)."""
     import time
 
     run_id = time.strftime("%Y%m%d-%H%M%S")
@@ -295,7 +301,7 @@ def replay(
                         f"run_dir={json.dumps(str(run_dir))}"])  # fmt: skip
     from rlstream.replay import run
 
-    print(json.dumps(run(cfg, source_prefix, steps)))
+    print(json.dumps(run(cfg, source_prefix, steps, from_run)))
 
 
 # ---- application ----------------------------------------------------------------------------

@@ -1,17 +1,19 @@
 """``rlstream export``: a published policy version as a Hugging Face model directory.
 
 It takes the newest WeightUpdate on rl.control (or ``--version N``), fetches and verifies its
-checkpoint from the store, and writes a directory with the model's ``config.json``, its tokenizer
-files and the weights as ``model.safetensors`` — what ``AutoModelForCausalLM.from_pretrained``
-loads and what a stock vLLM server serves (``--model DIR``, or ``collective_rpc reload_weights``).
+checkpoint from the store (one file or every shard), and writes a directory with the model's
+``config.json``, its tokenizer files (``pipeline.checkpoint.write_hf_files``, the writer the
+trainer's ``publish_hf`` uses too) and the weights as ``model.safetensors``, or sharded above
+``trainer.shard_bytes`` — what ``AutoModelForCausalLM.from_pretrained`` loads and what a stock vLLM
+server serves (``--model DIR``, or ``collective_rpc reload_weights``).
 
-What this is not: a trainer checkpoint (optimizer state stays in the trainer's checkpoint dir).
+What this is not: a trainer checkpoint (optimizer state stays in the trainer's checkpoint dir),
+nor an adapter export (a LoRA version directory is PEFT's layout already).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from pipeline import codec
@@ -20,8 +22,6 @@ from pipeline.kafka import Consumer, client_conf
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
-MODEL_FILES = ("config.json", "generation_config.json")
-"""Files of the model directory that describe the model (weights come from the checkpoint)."""
 
 
 def find_update(cfg, version: int | None) -> dict:
@@ -49,21 +49,20 @@ def find_update(cfg, version: int | None) -> dict:
 
 def export(cfg, out: Path, version: int | None = None) -> dict:
     """Write version ``version`` (newest if None) as an HF model directory ``out``; returns its update."""
-    from safetensors.torch import save_file
-
-    from pipeline.checkpoint import read_weights
-    from pipeline.models import load_tokenizer, materialize
+    from pipeline.checkpoint import read_weights, write_hf_files, write_weights_dir
+    from pipeline.models import materialize
 
     update = find_update(cfg, version)
+    if (update.get("kind") or "full") != "full":
+        raise RlstreamError(
+            f"version {update['version']} is a LoRA adapter ({update['uri']}): its directory is PEFT's layout already"
+        )
     base = materialize(cfg.model)
     state = read_weights(update["uri"], update["sha256"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in MODEL_FILES:
-        if (base / name).is_file():
-            shutil.copy2(base / name, out / name)
-    load_tokenizer(base).save_pretrained(out)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_hf_files(base, str(out))
+    write_weights_dir(str(out), state, shard_bytes=cfg.trainer.shard_bytes)
     (out / "rlstream-version.txt").write_text(f"{update['version']}\n{update['sha256']}\n")
     log.info("exported %s", kv(version=update["version"], dir=out, tensors=len(state)))
     return update

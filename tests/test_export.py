@@ -1,5 +1,6 @@
 """`rlstream export`: a published version as a Hugging Face directory that from_pretrained loads
-and that reproduces the rollout engine's logprobs under those weights."""
+and that reproduces the rollout engine's logprobs under those weights; a sharded version exports
+(sharded again above ``trainer.shard_bytes``) with the same logits."""
 
 from __future__ import annotations
 
@@ -40,3 +41,30 @@ def test_exported_directory_loads_and_reproduces_the_engines_logprobs(make_confi
         want = teacher_forced_logprobs(model, req.context, got.tokens)
         assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
     assert run_cli(["export", str(tmp_path / "x"), "--version", "7"], cli_env, check=False).returncode == 2
+
+
+def test_a_sharded_version_exports_sharded_and_loads(make_config, cli_env, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.checkpoint import INDEX_FILE, write_weights
+    from pipeline.control import now_ms, publish_weight_update
+    from pipeline.kafka import Producer, client_conf
+    from pipeline.models import load_model, materialize
+
+    cfg = make_config()
+    ref = load_model(materialize(cfg.model)).eval()
+    trained = {k: v + 0.02 * torch.randn_like(v) for k, v in ref.state_dict().items()}
+    ref.load_state_dict(trained)
+    uri, sha, nbytes = write_weights(cfg.store, 4, trained, shard_bytes=200_000)
+    assert uri.endswith(INDEX_FILE)
+    update = {"version": 4, "uri": uri, "sha256": sha, "bytes": nbytes, "step": 4, "created_at_ms": now_ms(),
+              "trainer_id": "test", "format": "safetensors-sharded"}  # fmt: skip
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        publish_weight_update(p, cfg.topics.name("control"), update)
+    out = tmp_path / "hf"
+    run_cli(["export", str(out), "--set", "trainer.shard_bytes=300000"], cli_env, timeout=180)
+    assert (out / INDEX_FILE).is_file() and len(list(out.glob("model-*-of-*.safetensors"))) >= 3
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)

@@ -9,7 +9,10 @@ would let older groups go stale behind newer ones, while seq order trains group 
 ~ g // G, the version admission planned for it. A sample
 of a group that is already closed (late) or a repeated ``trajectory_id`` (duplicate) is refused.
 Dynamic sampling removes uninformative closed groups from the queue (``filter_ready``); they are
-remembered like trained ones, so a late sample of one is refused too.
+remembered like trained ones, so a late sample of one is refused too. Which closed groups a step
+takes is ``selection.py``'s choice: ``take`` (the oldest n, the live default) or ``take_ids``. A
+replay schedule names each group's members (``expect``): such a group closes once it has exactly
+those samples (and only then; no timeout), and a sample outside them is refused as late.
 
 ``OffsetTracker`` is the resume rule. A record is *disposed* once its fate is final: used in (or
 dropped by) a finished trainer step, or refused (late, duplicate, undecodable). Per partition it
@@ -98,27 +101,39 @@ class GroupAssembler:
         self._closed = 0
         self._queued: set[str] = set()
         self.trained: OrderedDict[str, None] = OrderedDict((g, None) for g in (trained_ids or []))
+        self.expected: dict[str, frozenset[str]] = {}
+
+    def expect(self, members: dict[str, frozenset[str]]) -> None:
+        """Fix the members of these groups (a replay schedule): each closes when it holds exactly
+        them (complete if that is ``group_size`` samples), never by timeout; other samples of such
+        a group are refused as late."""
+        self.expected.update(members)
 
     def add(self, sample, now: float) -> str:
         """Add a sample: "added", "complete" (its group just closed), "late" or "duplicate"."""
         gid = sample.group_id
         if gid in self.trained or gid in self._queued:
             return "late"
+        members = self.expected.get(gid)
+        if members is not None and sample.trajectory_id not in members:
+            return "late"  # the original run refused it, or it came after the group closed there
         g = self.open.get(gid)
         if g is None:
             g = self.open[gid] = Group(gid, sample.group_size, now)
         elif any(s.trajectory_id == sample.trajectory_id for s in g.samples):
             return "duplicate"
         g.samples.append(sample)
-        if len(g.samples) >= g.size:
-            g.complete = True
+        if len(g.samples) >= (g.size if members is None else len(members)):
+            g.complete = len(g.samples) >= g.size
             self._close(g, now)
             return "complete"
         return "added"
 
     def expire(self, now: float) -> list[Group]:
-        """Close every open group older than the timeout (incomplete)."""
-        old = [g for g in self.open.values() if now - g.first_seen >= self.timeout_s]
+        """Close every open group older than the timeout (incomplete); not the expected ones."""
+        old = [
+            g for g in self.open.values() if now - g.first_seen >= self.timeout_s and g.group_id not in self.expected
+        ]
         for g in old:
             self._close(g, now)
         return old
@@ -138,12 +153,28 @@ class GroupAssembler:
             return None
         self.ready.sort(key=lambda g: (g.group_seq, g.version_min, g.close_order))
         out, self.ready = self.ready[:n], self.ready[n:]
-        for g in out:
+        self._consumed(out)
+        return out
+
+    def take_ids(self, ids: list[str]) -> list[Group]:
+        """Remove the closed groups ``ids`` (all must be ready) from the queue, in that order."""
+        if not ids:
+            return []
+        want = set(ids)
+        by_id = {g.group_id: g for g in self.ready if g.group_id in want}
+        out = [by_id[i] for i in ids]
+        self.ready = [g for g in self.ready if g.group_id not in want]
+        self._consumed(out)
+        return out
+
+    def _consumed(self, groups: list[Group]) -> None:
+        """Remember ``groups`` as taken (a late sample of one is refused)."""
+        for g in groups:
             self._queued.discard(g.group_id)
             self.trained[g.group_id] = None
+            self.expected.pop(g.group_id, None)
         while len(self.trained) > self.memory:
             self.trained.popitem(last=False)
-        return out
 
     def filter_ready(self, keep) -> list[Group]:
         """Remove and return the closed groups for which ``keep(group)`` is False (dynamic sampling)."""
@@ -153,11 +184,7 @@ class GroupAssembler:
             (kept if keep(g) else out).append(g)
         if out:
             self.ready = kept
-            for g in out:
-                self._queued.discard(g.group_id)
-                self.trained[g.group_id] = None
-            while len(self.trained) > self.memory:
-                self.trained.popitem(last=False)
+            self._consumed(out)
         return out
 
     def trained_ids(self) -> list[str]:

@@ -2,8 +2,10 @@
 staleness gate, the incomplete-group policy, advantages, overlong filtering), dynamic sampling's
 test of a group (``informative``), minibatches, and the aggregation weights of docs/losses.md.
 
-``plan_step`` is the one place where the hard staleness bound is enforced: a sample with
-``v - version_min > k`` at trainer version ``v`` never enters a micro-batch. Plain Python, no
+``plan_step`` is the one place where the hard staleness bound is enforced (``staleness.py``): under
+the sample rule a sample with ``v - version_min > k`` at trainer version ``v`` never enters a
+micro-batch; under the token rule its tokens older than ``v - k`` are masked out of the loss and a
+sample with no trainable token left is dropped the same way. Plain Python, no
 torch: the tensors (padded or packed micro-batches) are built by ``collate.py``, whose names are
 re-exported here. Not a data loader: the trainer's consumer loop feeds it.
 """
@@ -11,11 +13,11 @@ re-exported here. Not a data loader: the trainer's consumer loop feeds it.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from consumers.trainer import advantages
 from consumers.trainer.collate import MicroBatch, collate, pack, shard_micro_batches, split_by_tokens, trainable_start
-from pipeline.control import is_stale
+from consumers.trainer.staleness import VERSIONS_KEY, TokenCut, gate, parse_marks
 
 __all__ = [
     "MicroBatch",
@@ -54,17 +56,32 @@ class Sample:
     advantage: float = 0.0
     finish_reason: str = "stop"
     """stop | length (truncated at its token budget) | abort | env_done | ..."""
+    version_marks: tuple = ()
+    """``((response index, version), ...)``: where each version's tokens start (the token rule
+    only; ``staleness.parse_marks``). Empty: every token counts as ``version_min``."""
+    cut: TokenCut | None = None
+    """Set by ``plan_step`` on a trained copy whose oldest tokens the token rule masked."""
 
 
 def sample_from_record(
-    rec: dict, partition: int, offset: int, vocab_size: int | None = None, max_len: int | None = None
+    rec: dict,
+    partition: int,
+    offset: int,
+    vocab_size: int | None = None,
+    max_len: int | None = None,
+    token_versions: bool = False,
 ) -> Sample:
     """A ScoredTrajectory record as a Sample; ``InvalidRecord`` (a DecodeError) if it cannot train:
     inconsistent arrays or versions, non-finite numbers, token ids outside ``vocab_size``, longer
-    than ``max_len`` (pipeline.records)."""
+    than ``max_len`` (pipeline.records), or (``token_versions``, the token rule) version marks that
+    do not fit the response and its versions."""
     prompt, response, logprobs, mask = check_scored(rec, vocab_size, max_len)
     t = rec["trajectory"]
     tid = t["trajectory_id"]
+    marks = ()
+    if token_versions:
+        text = (t.get("metadata") or {}).get(VERSIONS_KEY)
+        marks = parse_marks(text, len(response), int(t["version_min"]), int(t["version_max"]), tid)
     return Sample(
         trajectory_id=tid,
         group_id=t["group_id"],
@@ -80,6 +97,7 @@ def sample_from_record(
         group_size=int(t["group_size"]),
         group_seq=int(t["group_seq"]),
         finish_reason=str(t.get("finish_reason") or "stop"),
+        version_marks=marks,
     )
 
 
@@ -91,7 +109,8 @@ class StepPlan:
     train: list[Sample] = field(default_factory=list)
     """Samples that contribute to the gradient, with their advantages set."""
     stale: list[Sample] = field(default_factory=list)
-    """Dropped by the hard bound: ``version - version_min > k``."""
+    """Dropped by the hard bound: ``version - version_min > k`` (token rule: no trainable token
+    newer than ``version - k``)."""
     incomplete_dropped: list[Sample] = field(default_factory=list)
     """Samples of incomplete groups under ``incomplete_groups = "drop"``."""
     incomplete_groups: int = 0
@@ -100,22 +119,41 @@ class StepPlan:
     """Truncated samples masked out by overlong filtering (in their group's baseline, no gradient)."""
 
     def version_lag_counts(self) -> dict[int, int]:
-        """{v - version_min: samples trained} of this step."""
+        """{v - oldest trained version: samples trained} of this step (the oldest trained version is
+        ``version_min`` unless the token rule masked the sample's oldest tokens)."""
         out: dict[int, int] = {}
         for s in self.train:
-            d = self.version - s.version_min
+            d = self.version - (s.cut.oldest if s.cut else s.version_min)
             out[d] = out.get(d, 0) + 1
         return dict(sorted(out.items()))
 
+    def token_masked(self) -> dict[str, dict]:
+        """``{trajectory id: {"from", "masked", "oldest"}}`` of the trained samples the token rule cut."""
+        return {
+            s.trajectory_id: {"from": s.cut.start, "masked": s.cut.masked, "oldest": s.cut.oldest}
+            for s in self.train
+            if s.cut is not None
+        }
 
-def plan_step(groups, version: int, k: int, incomplete_policy: str, adv_cfg, overlong_filter: bool = False) -> StepPlan:
+
+def plan_step(
+    groups,
+    version: int,
+    k: int,
+    incomplete_policy: str,
+    adv_cfg,
+    overlong_filter: bool = False,
+    staleness_rule: str = "sample",
+) -> StepPlan:
     """Apply the staleness bound and the incomplete-group policy, compute advantages, then (with
     ``overlong_filter``) move truncated samples (finish_reason "length") out of the trained set.
 
     ``groups`` are closed groups (``.samples``, ``.complete``). Stale samples are removed before
     advantages are computed, so they do not even enter their group's baseline; a group left with
     fewer samples is normalised over the fresh ones it has. Truncated samples do stay in the
-    baseline (their reward is information about the prompt); they only get no gradient.
+    baseline (their reward is information about the prompt); they only get no gradient. Under the
+    token rule a sample whose oldest tokens are too old is planned as a copy with those tokens'
+    loss mask set to 0 and ``cut`` set (the group's own samples are left as recorded).
     """
     plan = StepPlan(version=version)
     for g in groups:
@@ -123,7 +161,13 @@ def plan_step(groups, version: int, k: int, incomplete_policy: str, adv_cfg, ove
             plan.incomplete_groups += 1
         fresh = []
         for s in g.samples:
-            (plan.stale if is_stale(version, s.version_min, k) else fresh).append(s)
+            cut = gate(s, version, k, staleness_rule, trainable_start(s))
+            if cut is None:
+                plan.stale.append(s)
+            elif cut.start == 0:
+                fresh.append(s)
+            else:
+                fresh.append(replace(s, mask=[0] * cut.start + s.mask[cut.start :], cut=cut))
         if not g.complete and incomplete_policy == "drop":
             plan.incomplete_dropped.extend(fresh)
             continue
@@ -134,14 +178,16 @@ def plan_step(groups, version: int, k: int, incomplete_policy: str, adv_cfg, ove
     return plan
 
 
-def informative(group, version: int, k: int, incomplete_policy: str, tol: float = 1e-9) -> bool:
+def informative(
+    group, version: int, k: int, incomplete_policy: str, tol: float = 1e-9, staleness_rule: str = "sample"
+) -> bool:
     """Dynamic sampling's test: False for a group that would train but whose fresh samples' rewards
     are all equal (max - min <= ``tol``): every advantage is 0, so it carries no signal. A group
     that would not train anyway (incomplete under "drop", or with no fresh sample) is kept, so it
     counts towards G as before."""
     if not group.complete and incomplete_policy == "drop":
         return True
-    rewards = [s.reward for s in group.samples if not is_stale(version, s.version_min, k)]
+    rewards = [s.reward for s in group.samples if gate(s, version, k, staleness_rule, trainable_start(s)) is not None]
     if not rewards:
         return True
     return max(rewards) - min(rewards) > tol

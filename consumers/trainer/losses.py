@@ -17,6 +17,10 @@ engine), ``logp`` the current policy's and ``sg`` stop-gradient (docs/losses.md)
 * Entropy bonus (``entropy_coef = c > 0``): ``l -= c * H_t``, ``H_t`` the entropy of the policy's
   next-token distribution at position t (the engine computes it from the logits, with gradient).
 
+Tokens with mask 0 (padding, environment observations, and tokens older than ``v - k`` under
+``trainer.staleness_rule = "token"``) contribute nothing: not to the loss, its gradient, GSPO's
+sequence ratio (a mean over the trained tokens only) nor the aggregation counts.
+
 The micro-batch loss is ``sum_i w_i sum_t mask_it l_it`` with the aggregation weights ``w_i`` of
 ``batch.sample_weights``; per-sample values reach their tokens through ``MicroBatch.per_token``
 (padded rows or packed segments alike). Not an optimizer or a trainer: engines call a ``LossFn``.
@@ -86,10 +90,20 @@ def k3(logp, ref_logp):
     return torch.exp(d) - d - 1.0
 
 
+def behaviour_logp(logp, mb):
+    """The behaviour logprobs where a token is trained, and ``sg(logp)`` (ratio 1) elsewhere.
+
+    Untrained positions (padding, environment tokens, tokens masked by the token staleness rule)
+    are multiplied by a zero mask anyway, but a masked stale token keeps its recorded logprob, and
+    ``exp(logp - mu)`` of a far off-policy token can overflow: ``inf * 0`` would make the loss and
+    every gradient NaN. Trained positions are untouched, so the loss is bit-identical."""
+    return torch.where(mb.token_mask > 0, mb.old_logp.to(logp.dtype), logp.detach())
+
+
 def token_loss(logp, mb, cfg):
     """Per-token loss [b, T-1] and per-token statistics for ``cfg`` (a ``LossConfig``)."""
     adv = mb.per_token(mb.advantages.to(logp.dtype))
-    old = mb.old_logp.to(logp.dtype)
+    old = behaviour_logp(logp, mb)
     if cfg.type == "ppo_clip":
         loss, stats = ppo_clip(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
     elif cfg.type == "tis":
@@ -127,7 +141,7 @@ def micro_batch_loss(logp, mb, cfg, entropy=None):
     loss = (loss_tok * mask * weights).sum()
     n = float(mask.sum())
     out = {k: (float((v * mask).sum()), n) for k, v in stats.items()}
-    out["logp_diff"] = (float(((logp.detach() - mb.old_logp.to(logp.dtype)).abs() * mask).sum()), n)
+    out["logp_diff"] = (float(((logp.detach() - behaviour_logp(logp, mb)).abs() * mask).sum()), n)
     return loss, out
 
 

@@ -1,10 +1,15 @@
 """Writing one published weights version and the WeightUpdate that announces it (rank 0).
 
-Full fine-tuning writes ``<store>/v<version>/model.safetensors`` (``kind = "full"``); LoRA
-(``trainer.lora``) writes only the adapter in PEFT's layout (``kind = "adapter"``, with its rank,
-alpha, target modules and the fingerprint of the base model it was trained on). Either way the
-file is completely written before the notice exists, and the notice carries the trainer's
-consumed-group count (``consumed_groups``, admission control: pipeline.control).
+Full fine-tuning writes ``<store>/v<version>/`` with ``pipeline.checkpoint.write_weights``
+(``kind = "full"``): one ``model.safetensors`` (format ``safetensors``) or, above
+``trainer.shard_bytes``, HF's sharded layout written in parallel with its index last (format
+``safetensors-sharded``, the notice names the index). With ``trainer.publish_hf`` the model's
+config and tokenizer files are copied into the version directory first, so it is a Hugging Face
+model directory, announced as ``metadata["hf_dir"]``. LoRA (``trainer.lora``) writes only the
+adapter in PEFT's layout (``kind = "adapter"``, with its rank, alpha, target modules and the
+fingerprint of the base model it was trained on). Either way every file is completely written
+before the notice exists, and the notice carries the trainer's consumed-group count
+(``consumed_groups``, admission control: pipeline.control).
 
 What this is not: the order of the checkpoint protocol (``worker.Trainer._checkpoint``) nor the
 publishing call itself (``pipeline.control.publish_weight_update``).
@@ -12,8 +17,25 @@ publishing call itself (``pipeline.control.publish_weight_update``).
 
 from __future__ import annotations
 
-from pipeline.checkpoint import write_adapter, write_weights
+from pathlib import Path
+
+from pipeline.checkpoint import FORMAT, version_dir, weights_format, write_adapter, write_hf_files, write_weights
 from pipeline.control import now_ms
+from pipeline.errors import RlstreamError
+
+HF_DIR_KEY = "hf_dir"
+"""``WeightUpdate.metadata`` key naming the version's HF model directory (``trainer.publish_hf``)."""
+
+
+def base_model_dir(engine, model_dir=None) -> Path:
+    """The HF directory the trainer's model came from: ``model_dir`` if given, else the one its
+    config was loaded from (``engine.config.name_or_path``, which every train engine sets)."""
+    path = model_dir or getattr(getattr(engine, "config", None), "name_or_path", "")
+    if not path or not (Path(path) / "config.json").is_file():
+        raise RlstreamError(
+            f"trainer.publish_hf: cannot find the model directory to copy config and tokenizer from ({path!r})"
+        )
+    return Path(path)
 
 
 def write_version(
@@ -26,15 +48,17 @@ def write_version(
     consumed: int,
     base_sha256: str = "",
     write_full=write_weights,
+    model_dir=None,
 ) -> dict:
     """Write ``state_dict`` (what ``engine.state_dict()`` returned) as version ``version``; returns
     the WeightUpdate record to publish once the trainer's own checkpoint is durable.
-    ``write_full``: the full-weights writer (the trainer passes its module's, which benchmarks time)."""
+    ``write_full``: the full-weights writer (the trainer passes its module's, which benchmarks time);
+    ``model_dir``: where config and tokenizer come from with ``publish_hf`` (default: the engine's)."""
     update = {
         "version": version,
         "step": step,
         "created_at_ms": 0,
-        "format": "safetensors",
+        "format": FORMAT,
         "trainer_id": trainer_cfg.trainer_id,
         "metadata": {"engine": trainer_cfg.engine.type},
         "kind": engine.weights_kind,
@@ -50,6 +74,11 @@ def write_version(
             base_sha256=base_sha256,
         )
     else:
-        uri, sha, nbytes = write_full(store, version, state_dict)
+        if trainer_cfg.publish_hf:  # before the weights: the weights complete the directory
+            vdir = version_dir(store, version)
+            write_hf_files(base_model_dir(engine, model_dir), vdir)
+            update["metadata"][HF_DIR_KEY] = vdir
+        uri, sha, nbytes = write_full(store, version, state_dict, shard_bytes=trainer_cfg.shard_bytes)
+        update["format"] = weights_format(uri)
     update.update(uri=uri, sha256=sha, bytes=nbytes, created_at_ms=now_ms())
     return update

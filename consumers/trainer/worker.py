@@ -2,13 +2,15 @@
 per G closed groups, writes versioned weights and announces them on rl.control.
 
 Per trainer step (version ``v`` -> ``v + 1``):
-  1. take the next G closed groups (complete, or incomplete past ``group_timeout_s``); with
-     ``dynamic_sampling`` groups whose rewards have zero variance are filtered first (they do not
-     count towards G; they are counted, logged with the step, and reported to the producers as
-     consumed: ``groups_consumed`` progress records and ``WeightUpdate.consumed_groups``);
-  2. ``batch.plan_step``: drop samples with ``v - version_min > k`` (counted as ``stale_dropped``),
-     apply the incomplete-group policy, compute advantages, mask truncated samples
-     (``overlong_filter``);
+  1. take the next G closed groups (complete, or incomplete past ``group_timeout_s``) in the order
+     of ``trainer.group_order`` or a replay schedule (``selection.py``); with ``dynamic_sampling``
+     groups whose rewards have zero variance are filtered first (they do not count towards G; they
+     are counted, logged with the step, and reported to the producers as consumed:
+     ``groups_consumed`` progress records and ``WeightUpdate.consumed_groups``);
+  2. ``batch.plan_step``: drop samples with ``v - version_min > k`` (counted as ``stale_dropped``;
+     with ``staleness_rule = "token"`` only the tokens older than ``v - k`` are masked, and only a
+     sample with nothing trainable left is dropped), apply the incomplete-group policy, compute
+     advantages, mask truncated samples (``overlong_filter``);
   3. the engine runs ``minibatches`` optimizer steps over the remaining samples;
   4. every ``publish_every`` steps: weights (full, or the LoRA adapter) -> ``publish.write_version``, engine checkpoint,
      steps log, then the pointer (version, step, offsets, trained group ids) atomically, and only
@@ -27,12 +29,14 @@ import logging
 import time
 from pathlib import Path
 
+from consumers.trainer.accounting import account_step
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
 from consumers.trainer.batch import informative, plan_step, sample_from_record
 from consumers.trainer.engines import TrainContext, build_engine
 from consumers.trainer.engines.base import barrier, broadcast_object, dist_env
 from consumers.trainer.losses import LossFn
 from consumers.trainer.publish import write_version
+from consumers.trainer.selection import ArrivalSelector, ScheduleSelector, SequenceSelector
 from consumers.trainer.state import TrainerCheckpoints
 from consumers.trainer.step import train_samples
 from pipeline.checkpoint import gc_versions, model_fingerprint, read_bytes_verified, write_weights
@@ -52,11 +56,16 @@ class Trainer(Worker):
     unit = "step"
     stops_itself = True  # rank 0 decides and broadcasts the stop, so no collective is left half-done
 
-    def __init__(self, cfg, max_steps: int | None = None):
+    def __init__(self, cfg, max_steps: int | None = None, schedule: list | None = None):
+        """``schedule``: a replay's ``selection.ScheduledStep`` list; the trainer then takes exactly
+        those groups per step and stops at its end."""
         super().__init__(cfg, cfg.trainer.trainer_id)
         tc = self.tc = cfg.trainer
         self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
         self.max_steps = tc.max_steps if max_steps is None else max_steps
+        self.schedule = schedule
+        if schedule is not None:
+            self.max_steps = min(self.max_steps or len(schedule), len(schedule))
         if tc.publish_every > self.k + 1:
             raise ConfigError(
                 f"trainer.publish_every={tc.publish_every} needs rl.max_staleness >= {tc.publish_every - 1}: "
@@ -119,6 +128,14 @@ class Trainer(Worker):
         self.assembler = GroupAssembler(
             tc.group_timeout_s, tc.closed_group_memory, ptr["trained_groups"] if ptr else []
         )
+        if self.schedule is not None:
+            self.selector = ScheduleSelector(self.schedule)
+            self.assembler.expect(self.selector.expectations(self.step))
+        elif tc.group_order == "sequence":
+            self.selector = SequenceSelector(self.G)
+        else:
+            self.selector = ArrivalSelector(self.G)
+        self._at_end = False  # rl.scored read to its end, and nothing read since (selector.needs_end)
         self.producer = Producer(client_conf(cfg, "trainer", wid, kind="producer"))
         self.metrics = WorkerMetrics(
             "trainer",
@@ -143,6 +160,7 @@ class Trainer(Worker):
                 log.error("records lost to retention %s", kv(partition=p, floor=floor, log_start=low, lost=low - floor))
                 self.metrics.inc("retention_lost", low - floor)
         self.consumer.assign([TopicPartition(self.topic, p, starts.get(p, OFFSET_BEGINNING)) for p in parts])
+        self._parts, self._starts = parts, starts
         log.info("consuming %s", kv(topic=self.topic, partitions=len(parts), start={p: starts.get(p) for p in parts}))
         self._reconcile_control(ptr)
 
@@ -175,7 +193,7 @@ class Trainer(Worker):
                 continue
             try:
                 rec = decode_message(m, "ScoredTrajectory")
-                sample = sample_from_record(rec, p, o, self._vocab, self._max_len)
+                sample = sample_from_record(rec, p, o, self._vocab, self._max_len, self._token_rule)
             except DecodeError as exc:
                 self._dead_letter(m, exc)
                 self.offsets.dispose(p, o)
@@ -196,18 +214,35 @@ class Trainer(Worker):
         self.metrics.inc(f"dead_letters.{exc.error_type}")
         log.error("dead-lettered record %s", kv(partition=msg.partition(), offset=msg.offset(), reason=exc))
 
-    def _filter(self) -> None:
-        """Dynamic sampling: set aside closed groups whose rewards have zero variance."""
-        if not self.tc.dynamic_sampling:
-            return
-        tc = self.tc
-        out = self.assembler.filter_ready(
-            lambda g: informative(g, self.version, self.k, tc.incomplete_groups, tc.dynamic_sampling_tol)
-        )
-        if out:
-            self._filtered.extend(out)
-            self._filtered_since_pub += len(out)
-            log.debug("filtered groups %s", kv(groups=[g.group_id for g in out], version=self.version))
+    @property
+    def _token_rule(self) -> bool:
+        return self.tc.staleness_rule == "token"
+
+    def _select(self):
+        """The step's groups from the selector (None: wait); groups dynamic sampling set aside now
+        join ``_filtered`` (they go with the next step)."""
+        tc, keep = self.tc, None
+        if tc.dynamic_sampling:
+            args = (self.version, self.k, tc.incomplete_groups, tc.dynamic_sampling_tol, tc.staleness_rule)
+            keep = lambda g: informative(g, *args)  # noqa: E731
+        filtered, groups = self.selector.select(self.assembler, self.version, self._at_end, self.step, keep)
+        if filtered:
+            self._filtered.extend(filtered)
+            self._filtered_since_pub += len(filtered)
+            log.debug("filtered groups %s", kv(groups=[g.group_id for g in filtered], version=self.version))
+        return groups
+
+    def _caught_up(self) -> bool:
+        """True if every partition of rl.scored has been read to its end offset (the last stable
+        offset: this consumer reads committed records only)."""
+        timeout = self.cfg.kafka.request_timeout_s
+        pos = self.consumer.position([(self.topic, p) for p in self._parts])
+        for p in self._parts:
+            at = pos.get((self.topic, p), -1)
+            low, high = self.consumer.watermarks(self.topic, p, timeout)
+            if high > (at if at >= 0 else max(low, self._starts.get(p, low))):
+                return False
+        return True
 
     def _publish_progress(self) -> None:
         """While waiting for groups: tell producers how many groups this trainer has consumed
@@ -226,8 +261,7 @@ class Trainer(Worker):
         """Rank 0: ("step", samples), ("idle", None) or ("stop", None)."""
         if self.stop_event.is_set():
             return "stop", None
-        self._filter()
-        groups = self.assembler.take(self.G)
+        groups = self._select()
         if groups is None:
             first = self.consumer.poll(self.tc.poll_timeout_s)
             msgs = ([first] if first is not None else []) + self.consumer.consume(5000, 0)
@@ -236,14 +270,17 @@ class Trainer(Worker):
                 log.warning("closed incomplete group %s", kv(group=g.group_id, have=len(g.samples), want=g.size))
             self.metrics.set("open_groups", len(self.assembler.open))
             self.metrics.set("ready_groups", len(self.assembler.ready))
-            self._filter()
-            groups = self.assembler.take(self.G)
+            if self.selector.needs_end:
+                self._at_end = not msgs and self._caught_up()
+            groups = self._select()
             if groups is None:
                 self._publish_progress()
                 self.metrics.maybe_publish()
                 return "idle", None
         tc = self.tc
-        plan = plan_step(groups, self.version, self.k, tc.incomplete_groups, tc.advantage, tc.overlong_filter)
+        plan = plan_step(
+            groups, self.version, self.k, tc.incomplete_groups, tc.advantage, tc.overlong_filter, tc.staleness_rule
+        )
         self._current = (groups, plan, self._filtered)
         self._filtered = []
         return "step", plan.train
@@ -285,94 +322,17 @@ class Trainer(Worker):
         return train_samples(self.engine, samples, self.tc, self.loss_fn, self.step, self.ref)
 
     def _account(self, result: dict, step_s: float) -> None:
-        """Rank 0: dispose the step's records, count, log, report."""
+        """Rank 0: dispose the step's records, count, log, report (``accounting.account_step``)."""
         groups, plan, filtered = self._current
         for g in [*groups, *filtered]:
             for s in g.samples:
                 self.offsets.dispose(s.partition, s.offset)
         self.consumed += len(groups) + len(filtered)
-        skipped = set(result["skipped_ids"])  # in an update that was skipped: not used
-        used = [s for s in plan.train if s.trajectory_id not in skipped]
-        m = self.metrics
-        m.inc("steps")
-        m.inc("optimizer_steps", result["optimizer_steps"])
-        m.inc("updates_skipped", result["skipped"])
-        m.inc("groups_closed", len(groups))
-        m.inc("groups_incomplete", plan.incomplete_groups)
-        m.inc("samples_trained", len(used))
-        m.inc("samples_update_skipped", len(skipped))
-        m.inc("stale_dropped", len(plan.stale))
-        m.inc("incomplete_dropped", len(plan.incomplete_dropped))
-        m.inc("groups_filtered", len(filtered))
-        m.inc("samples_filtered", sum(len(g.samples) for g in filtered))
-        m.inc("overlong_masked", len(plan.overlong))
-        lags = plan.version_lag_counts()
-        for name in [n for n in m.gauges if n.startswith("version_lag_")]:
-            del m.gauges[name]
-        rewards = [s.reward for s in plan.train]
-        sampled = [s.reward for s in [*plan.train, *plan.overlong]] + [s.reward for g in filtered for s in g.samples]
-        gauges = {
-            "step": self.step,
-            "loss": result["loss"],
-            "grad_norm": result["grad_norm"],
-            "lr": result["lr"],
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "reward_mean_sampled": sum(sampled) / len(sampled) if sampled else 0.0,
-            "consumed_groups": self.consumed,
-            "step_time_s": step_s,
-            "samples_per_s": len(plan.train) / step_s if step_s > 0 else 0.0,
-            **{f"loss_{k}": v for k, v in result["stats"].items()},
-            **{f"version_lag_{d}": n for d, n in lags.items()},
-        }
-        for name, value in gauges.items():
-            m.set(name, value)
-        m.version = self.version
-        self._pending_log.append(
-            {
-                "step": self.step,
-                "version": plan.version,
-                "time": time.time(),
-                "used": [s.trajectory_id for s in used],
-                "update_skipped": sorted(skipped),
-                "stale": [s.trajectory_id for s in plan.stale],
-                "incomplete_dropped": [s.trajectory_id for s in plan.incomplete_dropped],
-                "groups": [g.group_id for g in groups],
-                "filtered": [s.trajectory_id for g in filtered for s in g.samples],
-                "filtered_groups": [g.group_id for g in filtered],
-                "overlong": [s.trajectory_id for s in plan.overlong],
-                "consumed_groups": self.consumed,
-                "staleness": {str(d): n for d, n in lags.items()},
-                **{
-                    k: gauges[k]
-                    for k in (
-                        "loss",
-                        "grad_norm",
-                        "lr",
-                        "reward_mean",
-                        "reward_mean_sampled",
-                        "samples_per_s",
-                        "step_time_s",
-                    )
-                },
-            }
-        )
-        log.info(
-            "step %s",
-            kv(
-                step=self.step,
-                version=self.version,
-                samples=len(used),
-                update_skipped=len(skipped),
-                stale=len(plan.stale),
-                incomplete_dropped=len(plan.incomplete_dropped),
-                filtered_groups=len(filtered),
-                loss=round(result["loss"], 5),
-                grad_norm=round(result["grad_norm"], 4),
-                reward=round(gauges["reward_mean"], 3),
-                s=round(step_s, 3),
-            ),
-        )
-        m.publish()
+        entry = account_step(
+            self.metrics, self.step, self.version, plan, groups, filtered, result, step_s, self.consumed,
+            self._token_rule,
+        )  # fmt: skip
+        self._pending_log.append(entry)
 
     # ---- checkpoint + publish (every rank) ------------------------------------------------
     def _checkpoint(self) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import read_weights
+from pipeline.checkpoint import FORMAT, SHARDED_FORMAT, read_weights
 
 
 @dataclass
@@ -77,8 +77,9 @@ class Engine(ABC):
     """Longest context + response the engine can hold (set by the engine once loaded)."""
     step_wait_s: float = 0.0
     """How long ``step`` should wait for results when the engine waits on something else (HTTP)."""
-    weight_formats: frozenset[str] = frozenset({"safetensors"})
-    """WeightUpdate formats ``load_weights`` accepts; the worker refuses others, loudly."""
+    weight_formats: frozenset[str] = frozenset({FORMAT, SHARDED_FORMAT})
+    """WeightUpdate formats ``load_weights`` accepts (one ``model.safetensors``, or HF's sharded
+    layout whose index the notice names: ``pipeline.checkpoint``); the worker refuses others, loudly."""
     weight_kinds: frozenset[str] = frozenset({"full"})
     """WeightUpdate kinds ``load_weights`` accepts: ``full`` weights and/or LoRA ``adapter`` s
     (``producers.engines.adapters``); the worker refuses others, loudly."""
@@ -106,9 +107,12 @@ class Engine(ABC):
         """Requests submitted and not yet returned by step/abort."""
 
     def prepare_weights(self, update: dict):
-        """Fetch and verify the checkpoint a WeightUpdate names (sha256); may run in a background
-        thread while generation goes on. Returns what ``load_weights`` needs: a state dict for
-        full weights, a ``PreparedAdapter`` (checked against this worker's base model) for an adapter."""
+        """Fetch and verify the checkpoint a WeightUpdate names (sha256; every shard against the
+        index); runs in a background thread while generation goes on, so an engine should do here
+        all it can (reading, verifying, converting, staging) and leave ``load_weights`` only the swap.
+        Returns what ``load_weights`` needs: a state dict for full weights (shards read in parallel:
+        ``pipeline.checkpoint.iter_weights``), a ``PreparedAdapter`` (checked against this worker's
+        base model) for an adapter."""
         if (update.get("kind") or "full") == "adapter":
             from producers.engines.adapters import prepare_adapter
 

@@ -11,9 +11,14 @@ processed ``output_scores``), ``log_softmax(logits / T)`` over the full vocabula
 the sampled token; tokens are drawn from exactly that distribution (``T = 1`` for logprobs when
 greedy). What this is not: a fast server; use the vllm engine for throughput.
 
-Weights: ``full`` updates load in place with ``load_state_dict``; LoRA ``adapter`` updates go
-through PEFT (``producers.engines.adapters.PeftApplier``): the LoRA layers are injected once and
-each version's adapter tensors are copied into them, the base weights never move.
+Weights: a ``full`` update is staged in the background (``prepare_weights``): each shard, once read
+and verified (``pipeline.checkpoint.iter_weights``, later shards still being read), is converted to
+the model's dtypes and moved to its device; ``load_weights`` at the safe point then only checks
+names and shapes and swaps the staged tensors in (``load_state_dict(assign=True)``), so the
+generation pause does not grow with the checkpoint. The price: old and new weights both live on the
+device while a version is staged. LoRA ``adapter`` updates go through PEFT
+(``producers.engines.adapters.PeftApplier``): the LoRA layers are injected once and each version's
+adapter tensors are copied into them, the base weights never move.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from pipeline.checkpoint import iter_weights
 from pipeline.log import kv
 from pipeline.models import load_model
 from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
@@ -58,6 +64,7 @@ class HFEngine(Engine):
             torch.set_num_threads(cfg.threads)
         self.model = load_model(model_dir, cfg.dtype, device).eval()
         self._peft = None  # PeftApplier once an adapter was loaded
+        self._dtypes = {k: v.dtype for k, v in self.model.state_dict().items()}  # full-weights staging
         self.refill_every = cfg.refill_every
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
@@ -117,12 +124,29 @@ class HFEngine(Engine):
         if self._peft is not None:  # full weights after adapters: back to the plain model
             self.model = self._peft.unload()
             self._peft = None
-        missing, unexpected = self.model.load_state_dict(prepared, strict=False)
+        current = self.model.state_dict()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {update['uri']} does not fit the model: {missing=} {unexpected=}")
+        missing = [k for k in current if k not in prepared and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in prepared if k not in current]
+        shapes = [k for k in prepared if k in current and prepared[k].shape != current[k].shape]
+        if missing or unexpected or shapes:
+            raise ValueError(f"checkpoint {update['uri']} does not fit the model: {missing=} {unexpected=} {shapes=}")
+        self.model.load_state_dict(prepared, strict=False, assign=True)  # a swap: staged by prepare_weights
+        if tied:
+            self.model.tie_weights()
         self.version = int(update["version"])
+
+    def prepare_weights(self, update: dict):
+        """Full weights: every verified shard converted to the model's dtypes and device as soon as
+        it is read (the next shards are being read meanwhile), on the weight-fetch thread."""
+        if (update.get("kind") or "full") == "adapter":
+            return super().prepare_weights(update)
+        staged = {}
+        for _, tensors in iter_weights(update["uri"], update["sha256"]):
+            for k, t in tensors.items():
+                dt = self._dtypes.get(k, t.dtype) if t.is_floating_point() else t.dtype
+                staged[k] = t.to(device=self.device, dtype=dt)
+        return staged
 
     # -- internals -------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> None:

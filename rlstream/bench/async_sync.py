@@ -19,6 +19,14 @@ Per run it reports, over the steady-state window (the last 3/4 of the steps; the
 samples/s and tokens/s trained, trainer idle fraction (no train step running), rollout idle fraction
 (decode slots empty: 1 - mean in-flight samples / max_inflight), samples dropped as stale, speedup
 over k = 0, and achieved/ideal. It prints figures; it asserts nothing.
+
+The staleness rule: every run uses the resolved ``trainer.staleness_rule`` (``--set
+trainer.staleness_rule=token`` runs everything under the token rule), and the sizes' ``token_ks``
+add, for the sim engine's long-tail workload, runs under the token rule next to the sample rule's
+(rows marked ``rule = token``). Whole-run waste figures compare the two: samples and response
+tokens dropped as stale, tokens masked by the token rule, and the partial rollouts generated (a
+trajectory whose versions span a weight load: what the token rule can keep part of; with
+``reload_policy = "interrupt"`` the sim engine resumes an aborted sample under the new version).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ SIZES = {
     },
     "full": {
         "sim": {"steps": 16, "groups": 8, "n": 8, "workers": 2, "inflight": 16, "latency": 0.02, "median": 12,
-                "clip": 96, "ks": [0, 1, 2, 4], "workloads": ["long-tail", "uniform"], "uniform_ks": [0, 1]},
+                "clip": 96, "ks": [0, 1, 2, 4], "workloads": ["long-tail", "uniform"], "uniform_ks": [0, 1],
+                "token_ks": [1, 2]},
         "hf": {"steps": 40, "groups": 4, "n": 8, "workers": 2, "inflight": 16, "median": 16, "clip": 128,
                "ks": [0, 1, 2, 4]},
     },
@@ -168,9 +177,11 @@ def analyze(cfg, run_dir: Path, workers: int, inflight: int) -> dict:
             "start": t["gen_started_at_ms"] / 1e3,
             "end": t["gen_finished_at_ms"] / 1e3,
             "tokens": len(t["response_tokens"]) // 4,
+            "partial": t["version_max"] > t["version_min"],
         }
     out: dict = {"steps_completed": len(steps), "trajectories_generated": len(trajs)}
     out["stale_dropped"] = sum(len(s.get("stale", [])) for s in steps)
+    out.update(waste(steps, trajs))
     out["incomplete_dropped"] = sum(len(s.get("incomplete_dropped", [])) for s in steps)
     hist: dict[str, int] = {}
     for s in steps:
@@ -223,6 +234,21 @@ def analyze(cfg, run_dir: Path, workers: int, inflight: int) -> dict:
     return out
 
 
+def waste(steps: list[dict], trajs: dict[str, dict]) -> dict:
+    """Whole-run staleness waste: response tokens of the samples dropped as stale, tokens the token
+    rule masked (and in how many trained samples), and the partial rollouts generated and trained."""
+    stale = [t for s in steps for t in s.get("stale", [])]
+    masked = [c for s in steps for c in (s.get("token_masked") or {}).values()]
+    used = {t for s in steps for t in s.get("used", [])}
+    return {
+        "stale_dropped_tokens": sum(trajs[t]["tokens"] for t in stale if t in trajs),
+        "tokens_masked": sum(c["masked"] for c in masked),
+        "samples_token_masked": len(masked),
+        "partial_rollouts": sum(1 for t in trajs.values() if t["partial"]),
+        "partial_rollouts_trained": sum(1 for t, v in trajs.items() if v["partial"] and t in used),
+    }
+
+
 def _checkpoint_seconds(cfg, t0: float, t1: float) -> tuple[float | None, list[float]]:
     """Checkpoint + publish seconds in the window, and each WeightUpdate's publish (produce and
     wait for the ack) in ms, from the trainer's per-step gauges."""
@@ -250,9 +276,10 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def run_one(ctx: BenchContext, engine: str, workload: str, k: int) -> dict:
+def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None) -> dict:
+    """One pipeline run; ``rule`` sets ``trainer.staleness_rule`` (None: the resolved config's)."""
     sz = SIZES[ctx.size][engine]
-    name = f"async-{engine}-{workload}-k{k}"
+    name = f"async-{engine}-{workload}-k{k}" + (f"-{rule}" if rule else "")
     run_dir = ctx.out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     count = 64
@@ -268,9 +295,11 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int) -> dict:
             f"trainer.micro_batch_size={sz['groups'] * sz['n']}",
             "trainer.lr=0.0003",
         ]
-    cfg, path = make_config(ctx, name, [*common_sets(sz, k, source), *sets])
+    rule_sets = [f"trainer.staleness_rule={rule}"] if rule else []
+    cfg, path = make_config(ctx, name, [*common_sets(sz, k, source), *sets, *rule_sets])
     res = run_pipeline(ctx, cfg, path, sz["workers"], 1, timeout_s=900, profile=["trainer", "rollout-0", "reward-0"])
-    row = {"engine": engine, "workload": workload, "k": k, "status": res.status, "wall_s": res.wall_s}
+    row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.trainer.staleness_rule}
+    row.update(status=res.status, wall_s=res.wall_s)
     row["loadavg"] = res.loadavg
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))
     if plan:
@@ -281,6 +310,7 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int) -> dict:
         row["kafka_share"] = kafka_share(row)
     log_line(
         ctx, name, status=res.status, samples_per_s=row.get("samples_per_s"), stale=row.get("stale_dropped"),
+        tokens_masked=row.get("tokens_masked"), partial_rollouts=row.get("partial_rollouts"),
         achieved_over_ideal=row.get("achieved_over_ideal"), wall_s=res.wall_s,
     )  # fmt: skip
     return row
@@ -330,6 +360,8 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
         for workload in sz.get("workloads", ["long-tail"]):
             ks = sz.get(f"{workload}_ks", sz["ks"])
             group = [run_one(ctx, engine, workload, k) for k in ks]
+            if engine == "sim" and workload == "long-tail":
+                group += [run_one(ctx, engine, workload, k, "token") for k in sz.get("token_ks", [])]
             base = next((r.get("samples_per_s") for r in group if r["k"] == 0), None)
             if engine == "hf":
                 ideal = hf_ideal(group, sz)
@@ -348,12 +380,14 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
 
 
 def table(result: dict) -> str:
-    headers = ["engine", "workload", "k", "samples/s", "tokens/s", "trainer idle", "rollout idle", "stale dropped",
-               "speedup vs k=0", "achieved/ideal"]  # fmt: skip
+    headers = ["engine", "workload", "k", "rule", "samples/s", "tokens/s", "trainer idle", "rollout idle",
+               "stale dropped", "stale tokens", "tokens masked", "partial rollouts", "speedup vs k=0",
+               "achieved/ideal"]  # fmt: skip
     rows = [
-        [r["engine"], r["workload"], r["k"], r.get("samples_per_s"), r.get("tokens_per_s"),
+        [r["engine"], r["workload"], r["k"], r.get("rule", "sample"), r.get("samples_per_s"), r.get("tokens_per_s"),
          r.get("trainer_idle_fraction"), r.get("rollout_idle_fraction"), r.get("stale_dropped"),
-         r.get("speedup_over_k0"), r.get("achieved_over_ideal")]
+         r.get("stale_dropped_tokens"), r.get("tokens_masked"), r.get("partial_rollouts"), r.get("speedup_over_k0"),
+         r.get("achieved_over_ideal")]
         for r in result["runs"]
     ]  # fmt: skip
     return md_table(headers, rows)
@@ -369,7 +403,8 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
         return []
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(f"{r['engine']} / {r['workload']}", []).append(r)
+        rule = " / token rule" if r.get("rule") == "token" else ""
+        groups.setdefault(f"{r['engine']} / {r['workload']}{rule}", []).append(r)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (title, rs) in zip(axes[0], groups.items(), strict=True):
         ks = [str(r["k"]) for r in rs]

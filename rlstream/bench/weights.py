@@ -9,6 +9,9 @@ record's broker timestamp) to every rollout worker reporting that version (or a 
 * **Load time by checkpoint size**: the real ``hf`` engine on tiny models of growing hidden size
   (the ``sim`` trainer publishes the model's own weights each step): checkpoint bytes, the
   trainer's write time, the worker's fetch + sha256 verify, the in-place swap, and notice -> loaded.
+* **Model scale** (``rlstream.bench.weights_scale``): synthetic 1 GB and 4 GB Llama-shaped state
+  dicts (``tiny``: 10 MB) written sharded and read by 1 and 2 rollout-worker processes, and a
+  LoRA-sized adapter: notice -> every worker loaded, effective GB/s, and the generation pause.
 
 It prints figures; it asserts nothing.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rlstream.bench import weights_scale
 from rlstream.bench.async_sync import write_prompts
 from rlstream.bench.harness import (
     BenchContext,
@@ -169,7 +173,8 @@ def run(ctx: BenchContext) -> dict:
     sz = SIZES[ctx.size]
     notice = [notice_case(ctx, w, sz["steps"]) for w in sz["workers"]]
     sizes = [size_case(ctx, h, sz["size_steps"]) for h in sz["hidden"]]
-    result = {"benchmark": "weights", "size": ctx.size, "notice": notice, "sizes": sizes}
+    scale = weights_scale.run(ctx)
+    result = {"benchmark": "weights", "size": ctx.size, "notice": notice, "sizes": sizes, "scale": scale}
     write_json(ctx.out / "weights.json", result)
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(ctx.out / "weights.json", result)
@@ -189,7 +194,11 @@ def table(result: dict) -> str:
         [[r["hidden_size"], r["checkpoint_MB"], r["trainer_write_ms_p50"], r["fetch_verify_ms_p50"], r["swap_ms_p50"],
           r["notice_to_loaded_ms_p50"], r["all_loaded_ms_p50"]] for r in result["sizes"]],
     )  # fmt: skip
-    return f"Notice latency (sim rollout engines, tiny checkpoint):\n\n{a}\n\nLoad time by checkpoint size (hf engine):\n\n{b}"
+    c = weights_scale.table(result["scale"]) if result.get("scale") else ""
+    return (
+        f"Notice latency (sim rollout engines, tiny checkpoint):\n\n{a}\n\nLoad time by checkpoint size (hf engine):"
+        f"\n\n{b}\n\nModel scale (synthetic bf16 Llama state dicts; rollout workers as processes):\n\n{c}"
+    )
 
 
 def plot(out: Path, result: dict) -> list[Path]:
