@@ -378,7 +378,7 @@ def chaos(
 
 @app.command("run")
 def run_(
-    job: Annotated[Path, typer.Argument(help="Job file: the config plus a [job] section (see examples/).")],
+    job: Annotated[Path, typer.Argument(help="Job file: the config plus a \\[job] section (see examples/).")],
     steps: int | None = typer.Option(None, "--steps", min=1, help="Train up to this step (trainer.max_steps)."),
     no_live: bool = typer.Option(False, "--no-live", help="Plain progress lines instead of the live view."),
     keep_broker: bool = typer.Option(False, "--keep-broker", help="Leave a local broker this run started running."),

@@ -46,6 +46,27 @@ def test_a_job_needs_a_name_and_a_known_generator(tmp_path):
         resolve(tmp_path / "bad.toml", [f"run_dir={tmp_path}"], bootstrap="x:1")
 
 
+def test_arithmetic_both_forms_holds_out_word_forms_of_trained_sums(tmp_path):
+    from rlstream.job import resolve
+    from rlstream.tasks import arithmetic
+
+    one = arithmetic()
+    assert len(one) == 55 and len({r["id"].rstrip("w") for r in one}) == 55  # each sum once, one form
+    (tmp_path / "a.toml").write_text(
+        '[job]\nname = "a"\neval = true\n'
+        'dataset = { generator = "arithmetic", held_out = 0.2, options = { forms = "both" } }\n'
+    )
+    cfg = resolve(tmp_path / "a.toml", [f"run_dir={tmp_path}"], bootstrap="x:1")
+    read = lambda p: [json.loads(x) for x in Path(p).read_text().splitlines()]  # noqa: E731
+    train, held = read(cfg.feed.source), read(cfg.eval.source)
+    assert len(train) + len(held) == 110 and len(held) == 22
+    assert all(r["id"].endswith("w") and " plus " in r["prompt"] for r in held)
+    trained = {r["id"] for r in train}
+    assert all(r["id"][:-1] in trained and r["id"] not in trained for r in held)  # the digit twin is trained
+    with pytest.raises(ValueError, match="forms"):
+        arithmetic(forms="all")
+
+
 def _steps(run_dir: Path) -> list[dict]:
     from consumers.trainer.state import read_steps_log
 
