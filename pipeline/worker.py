@@ -7,7 +7,9 @@ A role subclasses ``Worker`` and fills in ``setup()``, ``run_once()``, ``finish(
   dir, **dead-letter records** (``dead_letter``) and **start-up retries** (``startup_call``: transient
   Kafka errors retried with backoff until ``liveness.startup_timeout_s``);
 * **signals**: the first SIGTERM/SIGINT sets ``stop``; the role finishes what it holds
-  (``finish``), closes, and exits 0. A second signal exits at once (code 128 + signal);
+  (``finish``), closes, and exits 0. One that arrives during ``setup`` (which may be waiting for a
+  broker that is down) ends the setup at once (``StopRequested``), then closes and exits 0. A
+  second signal exits at once (code 128 + signal);
 * **watchdog**: a thread that expects a beat from every main-loop iteration within
   ``liveness.watchdog_s`` (or within the limit of a declared long ``section``, e.g. a training
   step). A role that misses it, or that is still running ``shutdown_timeout_s`` after a stop
@@ -41,6 +43,14 @@ from pipeline.log import kv
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 75
+
+
+class StopRequested(BaseException):
+    """Raised in the main thread by a stop signal that arrives during ``setup``: start-up may be
+    waiting (with retries) for Kafka, and a stop must not wait for that. A BaseException so that no
+    ``except Exception`` in setup code catches it."""
+
+
 """Exit code of a role the watchdog declared hung (EX_TEMPFAIL: restart it)."""
 
 
@@ -159,6 +169,7 @@ class Worker:
         """Set when the run ends with an error (``close`` may then skip what cannot work)."""
         self._signals = 0
         self._started = False
+        self._in_setup = False
 
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -197,13 +208,17 @@ class Worker:
                 f"{self.role} {self.worker_id}", self.liveness.watchdog_s, self.liveness.shutdown_timeout_s
             ).start()
         try:
-            self.start()
-            while self.stops_itself or not self.stop_event.is_set():
-                self.beat()
-                if not self.run_once():
-                    break
-            with self.section("finish", self.liveness.shutdown_timeout_s):
-                self.finish()
+            try:
+                self.start()
+            except StopRequested:
+                log.info("stopped during setup %s", kv(role=self.role, worker=self.worker_id))
+            else:
+                while self.stops_itself or not self.stop_event.is_set():
+                    self.beat()
+                    if not self.run_once():
+                        break
+                with self.section("finish", self.liveness.shutdown_timeout_s):
+                    self.finish()
         except BaseException:
             self.failed = True
             raise
@@ -230,7 +245,11 @@ class Worker:
         if not self._started:
             self._started = True
             with self.section("setup", self.liveness.slow_op_s):
-                self.setup()
+                self._in_setup = True
+                try:
+                    self.setup()
+                finally:
+                    self._in_setup = False
 
     def beat(self) -> None:
         if self.watchdog is not None:
@@ -249,6 +268,10 @@ class Worker:
             if self._signals > 1:
                 log.warning("second %s: exiting now %s", name, kv(role=self.role, worker=self.worker_id))
                 os._exit(128 + signum)
+            if self._in_setup:
+                log.info("%s during setup: stopping now %s", name, kv(role=self.role, worker=self.worker_id))
+                self.stop()
+                raise StopRequested(name)
             log.info("%s: stopping after the current %s %s", name, self.unit, kv(role=self.role, worker=self.worker_id))
             self.stop()
 

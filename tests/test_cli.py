@@ -45,8 +45,9 @@ def test_demo_layers_the_config_file_and_set_over_its_own_settings(tmp_path, mon
     job.write_text(
         '[rl]\ngroups_per_step = 3\n[trainer]\nlr = 0.02\nmax_steps = 7\n[feed]\nsource = "/data/mine.jsonl"\n'
     )
-    run_dir = tmp_path / "demo-1"
-    cfg = resolve(job, ["trainer.lr=0.05", "rollout.max_inflight=5"], DemoOptions(steps=9, k=0), run_dir, "1", "h:1")
+    sets = ["trainer.lr=0.05", "rollout.max_inflight=5", f"run_dir={tmp_path}"]
+    cfg = resolve(job, sets, DemoOptions(steps=9, k=0), "1", "h:1")
+    run_dir = tmp_path / "demo-1"  # a job named demo-<run id> under the run dir
     assert cfg.rl.groups_per_step == 3 and cfg.rl.group_size == 8  # the file; the demo's default stays
     assert cfg.trainer.lr == 0.05 and cfg.rollout.max_inflight == 5  # --set over the file
     assert cfg.trainer.max_steps == 9 and cfg.rl.max_staleness == 0  # the demo's flags over the file

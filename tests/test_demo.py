@@ -84,19 +84,27 @@ def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
         "trainer": base + 20,
     }
     scraped: dict[str, str] = {}
-    busy_snapshot = None
+    moved: dict[str, float] = {}  # stage -> highest consumed records/s that status showed
+    versions = [0]
     try:
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
             for name, port in ports.items():
                 if (body := _scrape(port)) and "rlstream_" in body:  # keep the latest: gauges appear as work happens
                     scraped[name] = body
-            if busy_snapshot is None:
-                st = run_cli(["status", "--json", "--interval", "2"], cli_env, check=False, timeout=120)
-                if st.returncode == 0:
+            if not moved or min(moved.values()) <= 0 or versions[-1] < 1:
+                # On a loaded machine one 2 s window may not catch every stage busy at once (the
+                # feed is paced by admission): each stage must show throughput in some window.
+                # The demo is a job (demo-<run id>): its groups are named after it, so status reads
+                # the job's resolved config, as a user would (README: rlstream -c runs/<job>/config.toml).
+                job_cfg = next(iter(Path(cli_env["RLSTREAM_RUN_DIR"]).glob("demo-*/config.toml")), None)
+                st = run_cli(["--config", str(job_cfg), "status", "--json", "--interval", "2"], cli_env,
+                             check=False, timeout=120) if job_cfg else None  # fmt: skip
+                if st is not None and st.returncode == 0:
                     snap = json.loads(st.stdout)
-                    if all(s["consumed_records_per_s"] > 0 for s in snap["stages"].values()):
-                        busy_snapshot = snap
+                    for stage, s in snap["stages"].items():
+                        moved[stage] = max(moved.get(stage, 0.0), s["consumed_records_per_s"])
+                    versions.append(snap["trainer_version"] or 0)
             time.sleep(1)
         assert proc.wait(timeout=60) == 0, (tmp_path / "demo.out").read_text()[-3000:]
     finally:
@@ -106,8 +114,8 @@ def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
         log.close()
 
     # Live view: every stage moved, every role served Prometheus metrics with its role label.
-    assert busy_snapshot is not None, "status never showed throughput in every stage"
-    assert busy_snapshot["trainer_version"] >= 1
+    assert moved and all(v > 0 for v in moved.values()), f"status never showed throughput in every stage: {moved}"
+    assert max(versions) >= 1
     assert set(scraped) == set(ports)
     for name, body in scraped.items():
         assert f'role="{name.split("-")[0]}"' in body
@@ -135,7 +143,8 @@ def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
         assert (run_dirs[0] / png).stat().st_size > 1000
 
     # At rest, `status` lag per partition equals Kafka's own tool.
-    snap = json.loads(run_cli(["status", "--json", "--interval", "0.2"], cli_env).stdout)
+    job_cfg = str(run_dirs[0] / "config.toml")
+    snap = json.loads(run_cli(["--config", job_cfg, "status", "--json", "--interval", "0.2"], cli_env).stdout)
     for stage in snap["stages"].values():
         theirs = _kafka_tool_lags(cli_env, stage["group"])
         assert theirs, f"kafka-consumer-groups shows no offsets for {stage['group']}"

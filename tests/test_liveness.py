@@ -181,6 +181,33 @@ def test_partitions_handed_back_while_prompts_are_held_are_fetched_again(make_co
     assert {t["group_seq"] for t in got} == set(range(12))
 
 
+def test_sigterm_while_setup_waits_for_a_broker_that_is_down_exits_zero(tmp_path):
+    """A worker asked to stop while its start-up retries an unreachable broker (a chaos 'leave'
+    during a broker restart) stops at once and exits 0, instead of being cut short as hung."""
+    from pipeline.ports import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
+    env.update(RLSTREAM_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}", RLSTREAM_RUN_DIR=str(tmp_path / "runs"),
+               RLSTREAM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")  # fmt: skip
+    log = tmp_path / "rollout.log"
+    args = [*rlstream_cmd(), "rollout", *(x for s in [*TINY, "liveness.shutdown_timeout_s=60"] for x in ("--set", s))]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while "waiting for Kafka" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None and "waiting for Kafka" in log.read_text(), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    text = log.read_text()
+    assert code == 0 and "SIGTERM during setup" in text and "stopped during setup" in text, text[-3000:]
+
+
 @pytest.mark.kafka
 def test_a_failing_first_weight_load_exits_loudly_and_promptly(make_config, cli_env):
     """Issue 10 F: a checkpoint that does not match its sha256 stops the worker with a clear error
