@@ -167,8 +167,7 @@ class Feed(Worker):
 
     def _place(self, g: int, todo: list) -> bool:
         """Paced dispatch: True (and ``todo``'s partitions chosen) if group ``g`` may go out now."""
-        self.pacer.refresh()
-        parts = self.pacer.pick(len(todo)) if self.pacer.admissible(g) else None
+        parts = self.pacer.place(g, len(todo))
         if parts is None:
             self.producer.poll(0)  # serve delivery reports while waiting
             return False

@@ -70,6 +70,16 @@ class Pacer:
     def admissible(self, g: int) -> bool:
         return may_admit(g, self.version, self.k, self.G, self.control.consumed_groups(self.version))
 
+    def place(self, g: int, n: int) -> list[int] | None:
+        """Partitions for group ``g``'s ``n`` messages, or None while it may not go out. What the
+        feed already knows is tried first: a refresh (a committed-offsets request to the broker,
+        tens to hundreds of ms) only ever widens the choice, so it is paid only when needed, and
+        groups go out back to back while there is room."""
+        if self.admissible(g) and (parts := self.pick(n)) is not None:
+            return parts
+        self.refresh()
+        return self.pick(n) if self.admissible(g) else None
+
     def pick(self, n: int) -> list[int] | None:
         """``n`` distinct partitions with the shortest backlogs, or None while the shortest is full."""
         order = sorted(range(self.n_parts), key=lambda p: (self.backlog(p), p))[:n]
