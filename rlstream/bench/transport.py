@@ -189,6 +189,8 @@ def run(ctx: BenchContext) -> dict:
             "model.hidden_size=64",
             "model.intermediate_size=128",
             "model.num_heads=4",
+            # the trainer refuses (dead-letters) samples longer than the model's context: room for them
+            f"model.max_position_embeddings={sz['prompt_tokens'] + sz['response_tokens'] + 64}",
         ],
     )
     from pipeline.admin import Admin, ensure_topics
