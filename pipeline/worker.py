@@ -43,15 +43,13 @@ from pipeline.log import kv
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 75
+"""Exit code of a role the watchdog declared hung (EX_TEMPFAIL: restart it)."""
 
 
 class StopRequested(BaseException):
     """Raised in the main thread by a stop signal that arrives during ``setup``: start-up may be
     waiting (with retries) for Kafka, and a stop must not wait for that. A BaseException so that no
     ``except Exception`` in setup code catches it."""
-
-
-"""Exit code of a role the watchdog declared hung (EX_TEMPFAIL: restart it)."""
 
 
 def default_worker_id() -> str:
