@@ -31,7 +31,9 @@ class FeedConfig(StrictModel):
     replicate: int = Field(1, ge=1, le=4096)
     """Split each group's n samples over this many messages on distinct partitions (prompt replication)."""
     limit: int = Field(0, ge=0)
-    """Stop after this many groups in this run (0 = all); a later run resumes after them."""
+    """Feed at most this many groups in all (group_seq < limit; 0 = all ``epochs``). A total over
+    every run of this feed, like ``epochs``: a restarted or re-run feed continues up to it and
+    never past it, so a crash never changes what the job is fed. Raise it to feed more."""
     dispatch: Literal["all", "paced"] = "all"
     """``all``: publish every group as fast as ``rate`` allows, then exit. ``paced``: publish a group
     only once the rollout workers may start it (admission, following rl.control) and put each

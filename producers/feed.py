@@ -16,7 +16,8 @@ messages acknowledged), then writes a feed-state record to rl.control (a ``Comma
 prompts topic's end offsets. A restarted feed reads the newest state, then reads rl.prompts from
 those offsets to the end and skips every (group_seq, sample_start) already there, so messages
 sent after the last state record are not sent twice and none is lost. A changed dataset is an
-error (group numbering would no longer mean the same prompts).
+error (group numbering would no longer mean the same prompts). ``feed.limit`` counts from group 0
+across all runs, like ``epochs``: restarting never feeds more than one uninterrupted run.
 
 The process lifecycle (signals, watchdog, start-up retries) is ``pipeline.worker``'s; a stop
 publishes the feed state first, so the next run resumes exactly.
@@ -120,7 +121,9 @@ class Feed(Worker):
             )
         self.start_g = self.next_g = state["next_group_seq"] if state else 0
         self.sent = scan_sent(cfg, self.fc.name, state["offsets"] if state else {})
-        self.end = total if not self.fc.limit else min(total, self.start_g + self.fc.limit)
+        # limit is a total over every run of this feed (group_seq < limit), so a feed restarted by a
+        # supervisor, or a re-run job, never publishes more than an uninterrupted run would
+        self.end = total if not self.fc.limit else min(total, self.fc.limit)
         self.fresh = state is None
         self.stats = {"start_group_seq": self.start_g, "groups": 0, "messages": 0, "skipped_messages": 0}
         self.stats["total_groups"] = total

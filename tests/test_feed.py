@@ -67,9 +67,13 @@ def test_replicate_spreads_a_group_over_partitions(make_config):
 def test_resume_never_resends(make_config):
     cfg = make_config(f"feed.source={DATA}", "feed.limit=5", "feed.checkpoint_every=2")
     assert feed.run(cfg)["messages"] == 5
+    assert feed.run(cfg)["messages"] == 0  # the limit is a total: a restart with it feeds no more
+    cfg.feed.limit = 7  # raised: continues up to it
+    s2 = feed.run(cfg)
+    assert (s2["start_group_seq"], s2["messages"]) == (5, 2)
     cfg.feed.limit = 0
     s2 = feed.run(cfg)
-    assert (s2["start_group_seq"], s2["messages"]) == (5, 7)
+    assert (s2["start_group_seq"], s2["messages"]) == (7, 5)
     assert feed.run(cfg)["messages"] == 0  # all fed: nothing to do
     cfg.feed.epochs = 2  # more epochs later: continues with group_seq 12
     assert feed.run(cfg)["start_group_seq"] == 12
