@@ -188,7 +188,7 @@ def feed(
     epochs: int | None = typer.Option(None, "--epochs", help="Passes over the dataset (feed.epochs)."),
     rate: float | None = typer.Option(None, "--rate", help="Most groups per second, 0 = no limit (feed.rate)."),
     replicate: int | None = typer.Option(None, "--replicate", help="Messages per group (feed.replicate)."),
-    limit: int | None = typer.Option(None, "--limit", help="Feed at most this many groups in all runs together (feed.limit)."),
+    limit: int | None = typer.Option(None, "--limit", help="Most groups fed, over all runs (feed.limit)."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
