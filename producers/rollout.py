@@ -74,6 +74,9 @@ class RolloutWorker(Worker):
         self._last_commit = 0.0
         self.to_commit: dict[tuple[str, int], int] = {}
         self._commit_failures = 0
+        pf = cfg.rollout.prefetch_samples
+        self._prefetch = cfg.rollout.max_inflight if pf is None else pf
+        """Admitted samples kept beyond the free slots (look-ahead)."""
         self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.feed.replicate)))
         """Samples per prompt message (smoothed): how many messages fit the free slots."""
 
@@ -172,14 +175,15 @@ class RolloutWorker(Worker):
         return self.rc.max_inflight - len(self.running) - len(self.env_steps) - len(self.ready)
 
     def _poll_prompts(self) -> None:
-        """Take only the prompt messages whose first sample can start now: capacity is counted in
-        samples and a message asks for ``sample_count`` of them, so a worker with one free slot
-        takes one message (its other samples wait in ``ready`` for the next free slots, at most one
-        message's worth) and a full worker pauses its partitions. Waiting for a whole message's
-        worth of free slots left slots empty (measured: 26 vs 38 samples/s at k = 2, sim bench)."""
-        cap = self._capacity()
+        """Take the prompt messages that fit the free slots plus the look-ahead
+        (``rollout.prefetch_samples``): capacity is counted in samples and a message asks for
+        ``sample_count`` of them; admitted samples beyond the free slots wait in ``ready`` and start
+        the moment a slot frees. A worker whose slots and look-ahead are full pauses its partitions.
+        Without a look-ahead every freed slot waited for a resume and a fetch round trip (sim bench,
+        uniform k = 1: 32 samples/s with none, see docs/benchmarks.md)."""
+        cap = self._capacity() + self._prefetch
         idle = not (self.running or self.env_steps or self.ready)
-        room = -(-cap // max(1, round(self._per_msg))) if cap > 0 else int(idle)  # messages that can start now
+        room = -(-cap // max(1, round(self._per_msg))) if cap > 0 else int(idle)  # messages that fit
         assigned = self.consumer.assignment()
         want_paused = ((assigned if room <= 0 else set()) | {tp for tp, q in self.held.items() if q}) & assigned
         paused = self.consumer.paused()

@@ -211,3 +211,29 @@ def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
     got = trajectories(cfg, 4)
     assert sorted(t["trajectory_id"] for t in got) == ["ok2@e0/0", "ok2@e0/1", "ok@e0/0", "ok@e0/1"]
     assert committed(cfg)[3] == len(sent)  # committed past every bad message
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_lookahead_keeps_at_most_prefetch_samples_queued_beyond_the_free_slots(make_config, prefetch):
+    """rollout.prefetch_samples: admitted samples waiting in ``ready`` stay within the look-ahead
+    (plus the rest of one message), and a look-ahead is used while the engine is busy."""
+    n = 2
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=8", f"rl.group_size={n}", "rl.max_staleness=100",
+        "rollout.max_inflight=1", f"rollout.prefetch_samples={prefetch}", "rollout.max_new_tokens=4",
+        'rollout.engine={type = "sim", token_latency_s = 0.1, sigma = 0, median_tokens = 4}',
+    )  # fmt: skip
+    feed.run(cfg)
+    w = WorkerThread(cfg)
+    seen = []
+    deadline = time.monotonic() + 300
+    while len(trajectories(cfg, 0, 0)) < 8 * n and time.monotonic() < deadline:
+        if w.error:
+            raise w.error
+        seen.append((len(w.worker.ready), len(w.worker.running)))
+        time.sleep(0.05)
+    w.join()
+    assert len({t["trajectory_id"] for t in trajectories(cfg, 8 * n)}) == 8 * n
+    assert max(r for r, _ in seen) <= prefetch + n - 1, seen
+    busy_queue = max((r for r, running in seen if running), default=0)
+    assert busy_queue >= (prefetch if prefetch else 1), seen  # the look-ahead (or a message's rest) waits
