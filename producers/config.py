@@ -38,7 +38,8 @@ class FeedConfig(StrictModel):
     """``all``: publish every group as fast as ``rate`` allows, then exit. ``paced``: publish a group
     only once the rollout workers may start it (admission, following rl.control) and put each
     message on the prompts partition with the shortest backlog (producers.pacing); runs until every
-    group is published. ``rlstream demo`` and the benchmarks use ``paced``."""
+    group is published. The examples and ``rlstream demo`` use ``paced`` (their feeds are unbounded);
+    on a long-tailed workload it measured slower than ``all`` (docs/benchmarks.md)."""
     paced_backlog: int = Field(1, ge=1, le=10_000)
     """``paced``: most of the feed's messages per prompts partition not yet committed by the rollout
     workers (queued or being generated)."""

@@ -28,3 +28,29 @@ def murmur2_partition(key: bytes, partitions: int) -> int:
     h = (h * m) & mask
     h ^= h >> 15
     return (h & 0x7FFFFFFF) % partitions
+
+
+def free_port_block(width: int, offsets=None) -> int:
+    """A base port whose ``offsets`` (default ``0..width-1``) above it are free on every interface,
+    chosen below the kernel's ephemeral range: a port in that range can be taken at any moment by
+    an outgoing connection (a Kafka client's), and a role that then binds it dies with EADDRINUSE."""
+    import random
+    import socket
+    from pathlib import Path
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    offsets = list(offsets if offsets is not None else range(width))
+    top = min(low, 65000) - max(offsets) - 1
+    for _ in range(200):
+        base = random.randrange(10_000, top)
+        try:
+            for off in offsets:
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", base + off))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no block of free ports below the ephemeral range")

@@ -3,9 +3,7 @@ rising reward curve; `rlstream status --json` shows throughput for every stage d
 lag figures equal to Kafka's own kafka-consumer-groups afterwards; every role serves /metrics."""
 
 import json
-import random
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,25 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import rlstream_cmd, run_cli
+from tests.helpers import free_port_block
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 STEPS = 100
 
 
 def _free_port_base() -> int:
-    for _ in range(100):
-        base = random.randrange(20_000, 40_000)
-        ports = [base + o for o in (0, 1, 10, 11, 20)]
-        ok = True
-        for p in ports:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
+    return free_port_block(21, offsets=(0, 1, 10, 11, 20))
 
 
 def _scrape(port: int) -> str | None:

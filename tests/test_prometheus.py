@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import rlstream_cmd
+from tests.helpers import free_port_block
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -30,24 +30,6 @@ BIN = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache/rlstream")) / 
 def prometheus_binary() -> str | None:
     local = BIN / "prometheus"
     return str(local) if local.is_file() else shutil.which("prometheus")
-
-
-def free_port_block(width: int) -> int:
-    """A base port with ``width`` free ports above it (checked by binding each)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + width >= 65000:
-            continue
-        try:
-            for port in range(base, base + width):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no block of free ports")
 
 
 def api(base_url: str, path: str, **params) -> dict:

@@ -108,8 +108,10 @@ def vllm_server(tmp_path_factory):
     base = materialize(TinyModelConfig())
     work = tmp_path_factory.mktemp("vllm-reload")
     port = _free_port()
+    (work / "tmp").mkdir()
     env = {
         **os.environ,
+        "TMPDIR": str(work / "tmp"),  # its ZMQ IPC sockets, not loose in /tmp
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
         "HF_HUB_OFFLINE": "1",
