@@ -132,7 +132,7 @@ def test_zero2_two_processes_match_one_process(tmp_path):
         for k, v in os.environ.items()
         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    env.update(PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     cmd = [
         sys.executable,
         "-m",
@@ -230,7 +230,7 @@ if __name__ == "__main__":
 @pytest.mark.kafka
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [pytest.param("deepspeed", marks=pytest.mark.deepspeed), "torch"])
-def test_cli_trainer_on_two_processes_resumes(make_config, cli_env, engine):
+def test_cli_trainer_on_two_processes_resumes(make_config, cli_env, engine, tmp_path):
     """``torchrun --nproc_per_node 2 -m rlstream train --engine deepspeed`` (ZeRO-2), and the
     torch engine as DDP: rank 0 consumes and broadcasts, both ranks train; a second launch resumes
     from the two-rank checkpoint."""
@@ -244,7 +244,7 @@ def test_cli_trainer_on_two_processes_resumes(make_config, cli_env, engine):
         sp.send([scored(f"d{g}", i, 4, 0, float(i % 2), seq=g) for i in range(4)])
     sp.close()
     env = {k: v for k, v in cli_env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # torchelastic_* dirs
     args = ["train", "--engine", engine, *[x for s in sets for x in ("--set", s)]]
 
     def launch(max_steps: int) -> str:
