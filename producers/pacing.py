@@ -2,8 +2,9 @@
 worker may start it and has room for it, and puts it where the queue is shortest.
 
 * **Admission moved to the feed.** The feed follows rl.control and publishes group ``g`` only once
-  ``may_admit(g, v, k, G, C(v))`` holds for the newest published version ``v``, so workers (almost) never
-  hold prompts waiting for weights, and never pause partitions full of inadmissible work.
+  ``may_admit(g, v, k + L, G, C(v))`` holds for the newest published version ``v``, where
+  ``L = feed.paced_lead_steps``: the workers hold at most ``L`` steps of groups waiting for
+  weights (and start them the moment the weights load), never a topic full of inadmissible work.
 * **Join the shortest queue.** A partition's backlog is the number of the feed's own messages on
   it that the rollout group has not committed yet (queued, or being generated: a worker commits a
   prompt only once its trajectories are on the broker). Each message of a group goes to a distinct
@@ -35,6 +36,8 @@ class Pacer:
     def __init__(self, cfg, topic: str, partitions: int):
         self.cfg, self.topic, self.n_parts = cfg, topic, partitions
         self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
+        self.lead = cfg.feed.paced_lead_steps
+        """Steps of groups published ahead of admission (the workers hold them until admitted)."""
         self.group = cfg.rollout.group_id
         self.target = cfg.feed.paced_backlog
         self.control = ControlFollower(cfg, "feed-pacer")
@@ -68,7 +71,8 @@ class Pacer:
                 self.delivered[p] = {o for o in self.delivered[p] if o >= off}
 
     def admissible(self, g: int) -> bool:
-        return may_admit(g, self.version, self.k, self.G, self.control.consumed_groups(self.version))
+        """Group ``g`` may go out: admissible at the newest version, ``lead`` steps ahead."""
+        return may_admit(g, self.version, self.k + self.lead, self.G, self.control.consumed_groups(self.version))
 
     def place(self, g: int, n: int) -> list[int] | None:
         """Partitions for group ``g``'s ``n`` messages, or None while it may not go out. What the

@@ -162,7 +162,7 @@ def test_paced_dispatch_admits_and_places_on_the_shortest_queue(make_config):
 
     cfg = make_config(
         f"feed.source={DATA}", "feed.limit=8", "rl.group_size=2", "rl.groups_per_step=2", "rl.max_staleness=0",
-        "topics.prompts.partitions=3", 'feed.dispatch="paced"', "feed.paced_backlog=1",
+        "topics.prompts.partitions=3", 'feed.dispatch="paced"', "feed.paced_backlog=1", "feed.paced_lead_steps=0",
     )  # fmt: skip
     f = feed.Feed(cfg)
     t = threading.Thread(target=f.run, daemon=True)
@@ -189,6 +189,40 @@ def test_paced_dispatch_admits_and_places_on_the_shortest_queue(make_config):
         third = settle(5)
         assert sorted(r["group_seq"] for r in third) == [0, 1, 2, 3, 4]
         assert sorted(end_offsets(cfg, cfg.topics.name("prompts")).values()) == [1, 2, 2]
+    finally:
+        f.stop()
+        t.join(60)
+    assert not t.is_alive()
+
+
+@pytest.mark.kafka
+def test_paced_dispatch_publishes_lead_steps_ahead_of_admission(make_config):
+    """feed.paced_lead_steps = 1 (k = 0, G = 2): at version 0 groups 0-3 go out (admission allows 0
+    and 1, plus one step of lead) and nothing more; version 1 lets out exactly the next step's."""
+    import threading
+
+    from producers.testing import publish_version
+    from tests.test_rollout import base_state
+
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=10", "rl.group_size=2", "rl.groups_per_step=2", "rl.max_staleness=0",
+        'feed.dispatch="paced"', "feed.paced_backlog=100", "feed.paced_lead_steps=1",
+    )  # fmt: skip
+    f = feed.Feed(cfg)
+    t = threading.Thread(target=f.run, daemon=True)
+    t.start()
+
+    def settle(n: int) -> list[int]:
+        deadline = time.monotonic() + 60
+        while len(prompts(cfg)) < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # and nothing more comes out
+        return sorted(r["group_seq"] for r in prompts(cfg))
+
+    try:
+        assert settle(4) == [0, 1, 2, 3]
+        publish_version(cfg, 1, base_state(cfg))
+        assert settle(6) == [0, 1, 2, 3, 4, 5]
     finally:
         f.stop()
         t.join(60)

@@ -100,9 +100,9 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
         f"feed.source={json.dumps(str(source))}",
         "feed.epochs=100000",
         f"feed.limit={(sz['steps'] + 6) * g}",
-        # all groups up front (feed.limit bounds them): the paced feed measured slower on the
-        # long-tailed workload with the rollout look-ahead (k = 4: 56 vs 81 samples/s, 2026-11-23)
-        'feed.dispatch="all"',
+        # paced as the examples run it, with the defaults' lead of one step and backlog of 8
+        # (without them: 56 samples/s at k = 4 against 81 publishing every group up front)
+        'feed.dispatch="paced"',
         f"rollout.max_inflight={sz['inflight']}",
         f"rollout.max_new_tokens={sz['clip']}",
         'rollout.reload_policy="interrupt"',
