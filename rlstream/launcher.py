@@ -138,7 +138,8 @@ class Launcher:
         ``tick``: called once per watch round; a string it returns ends the run with that status."""
         config_path = self.prepare()
         self.console.print(
-            f"run dir {self.run_dir}\ntopics  {self.cfg.topics.prefix}*  on {self.cfg.kafka.bootstrap_servers}"
+            f"run dir {self.run_dir}\ntopics  {self.cfg.topics.prefix}*  on {self.cfg.kafka.bootstrap_servers}\n"
+            f"watch   rlstream -c {config_path} status --watch"
         )
         env = {
             k: v

@@ -176,7 +176,8 @@ class Trainer(Worker):
             raise RlstreamError(
                 f"{self.cfg.topics.name('control')} already announces version {published} but this trainer's checkpoint "
                 f"({self.root}) is at version {self.version}; refusing to announce different weights under the same "
-                "version (restore the checkpoint dir or use a fresh topics.prefix)"
+                "version (restore the checkpoint dir, or start afresh: a new topics.prefix, or for `rlstream run` a new "
+                "job.name; `rlstream -c <config> topics delete` removes the old topics)"
             )
         if published < self.version:
             update = ptr["update"]
