@@ -30,8 +30,8 @@ def murmur2_partition(key: bytes, partitions: int) -> int:
     return (h & 0x7FFFFFFF) % partitions
 
 
-def free_port_block(width: int, offsets=None) -> int:
-    """A base port whose ``offsets`` (default ``0..width-1``) above it are free on every interface,
+def free_port_block(width: int) -> int:
+    """A base port with ``width`` ports from it free on every interface,
     chosen below the kernel's ephemeral range: a port in that range can be taken at any moment by
     an outgoing connection (a Kafka client's), and a role that then binds it dies with EADDRINUSE."""
     import random
@@ -42,14 +42,13 @@ def free_port_block(width: int, offsets=None) -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    offsets = list(offsets if offsets is not None else range(width))
-    top = min(low, 65000) - max(offsets) - 1
+    top = min(low, 65000) - width
     for _ in range(200):
         base = random.randrange(10_000, top)
         try:
-            for off in offsets:
+            for port in range(base, base + width):
                 with socket.socket() as s:
-                    s.bind(("0.0.0.0", base + off))
+                    s.bind(("0.0.0.0", port))
             return base
         except OSError:
             continue

@@ -18,10 +18,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 STEPS = 100
 
 
-def _free_port_base() -> int:
-    return free_port_block(21, offsets=(0, 1, 10, 11, 20))
-
-
 def _scrape(port: int) -> str | None:
     try:
         return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
@@ -40,7 +36,7 @@ def _kafka_tool_lags(env, group: str) -> dict[tuple[str, int], int]:
 
 
 def test_demo_end_to_end(cli_env, topic_prefix, tmp_path):
-    base = _free_port_base()
+    base = free_port_block(21)  # rollout-i at +i, reward-i at +10+i, the trainer at +20
     log = open(tmp_path / "demo.out", "w")
     (tmp_path / "mine.toml").write_text("[reward]\nmetrics_interval_s = 1.5\n")
     proc = subprocess.Popen(

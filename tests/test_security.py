@@ -355,10 +355,9 @@ WRONG_IDENTITY = [  # (role, command, whose credentials it runs with)
 def test_a_role_run_with_another_roles_credentials_exits_with_an_authorization_error(secured, role, cmd, user):
     """Not a hang and not a silent retry: a non-zero exit whose error line names the refusal."""
     root = secured["root"]
-    sets = (f"run_dir={json.dumps(str(root / f'wrong-{role}'))}", "liveness.startup_timeout_s=20")
     # feed.limit is a total: the fixture's feed already published its 40, so lift it, or the feed
     # would rightly have nothing to write and exit 0
-    sets += ("feed.limit=0",)
+    sets = (f"run_dir={json.dumps(str(root / f'wrong-{role}'))}", "liveness.startup_timeout_s=20", "feed.limit=0")
     t0 = time.monotonic()
     proc = subprocess.run(
         role_argv(secured, cmd, user, *sets), env=role_env(), capture_output=True, text=True, timeout=180
