@@ -39,7 +39,7 @@ def encode(name: str, record: dict, ctx=None) -> bytes:
     buf.write(MAGIC)
     buf.write(info.fingerprint)
     try:
-        fastavro.schemaless_writer(buf, info.parsed, _with_bytes_defaults(info.parsed, record))
+        fastavro.schemaless_writer(buf, info.fast, _with_bytes_defaults(info.parsed, record))
     except Exception as exc:  # fastavro raises ValueError/TypeError/KeyError/AttributeError
         where = f" for {ctx}" if ctx else ""
         raise SerializationError(f"cannot encode {info.label}{where}: {exc}") from exc
@@ -97,7 +97,7 @@ def decode(data: bytes, expected: str | None = None) -> tuple[str, dict]:
     reader = schemas.latest(writer.name)
     body = io.BytesIO(data[HEADER_LEN:])
     try:
-        rec = fastavro.schemaless_reader(body, writer.parsed, reader.parsed if reader is not writer else None)
+        rec = fastavro.schemaless_reader(body, writer.fast, reader.fast if reader is not writer else None)
     except Exception as exc:  # truncated or corrupt body
         raise DecodeError(f"corrupt {writer.label} body: {exc!r}") from exc
     if body.tell() != len(data) - HEADER_LEN:

@@ -18,7 +18,6 @@ import math
 
 import numpy as np
 
-from pipeline.codec import unpack_f32, unpack_i32
 from pipeline.errors import DecodeError
 
 MAX_TEXT_CHARS = 1 << 20
@@ -58,9 +57,20 @@ def check_prompt(p: dict) -> None:
     _text(p, "text", "reference", "messages")
 
 
-def check_trajectory(t: dict) -> tuple[list[int], list[int], list[float], list[int]]:
+def _packed(t: dict, field: str, dtype: str, tid: str) -> np.ndarray:
+    """A packed little-endian array field as a read-only numpy view of the record's bytes."""
+    data = t[field]
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise InvalidRecord(f"{tid}: {field} has {len(data)} bytes, not a multiple of {size}")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def check_trajectory(t: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A Trajectory that can be scored and trained; returns its unpacked (prompt tokens, response
-    tokens, logprobs, loss mask)."""
+    tokens, logprobs, loss mask) as numpy arrays (int32, int32, float32, uint8): read-only views of
+    the record's bytes where the wire format allows, so no per-token Python runs (this is called
+    once per record in the reward and the trainer stage)."""
     tid = t["trajectory_id"]
     if not tid or not t["group_id"]:
         raise InvalidRecord("empty trajectory_id or group_id")
@@ -71,27 +81,26 @@ def check_trajectory(t: dict) -> tuple[list[int], list[int], list[float], list[i
     if t["version_min"] < 0 or t["version_max"] < t["version_min"]:
         raise InvalidRecord(f"{tid}: versions [{t['version_min']}, {t['version_max']}] are not 0 <= min <= max")
     _text(t, "prompt_text", "response_text", "reference")
-    try:
-        prompt, response = list(unpack_i32(t["prompt_tokens"])), list(unpack_i32(t["response_tokens"]))
-        lp_array = unpack_f32(t["logprobs"])
-        logprobs = list(lp_array)
-    except DecodeError as exc:
-        raise InvalidRecord(f"{tid}: {exc.reason}") from exc
-    if not prompt or not response:
+    prompt = _packed(t, "prompt_tokens", "<i4", tid)
+    response = _packed(t, "response_tokens", "<i4", tid)
+    logprobs = _packed(t, "logprobs", "<f4", tid)
+    if not len(prompt) or not len(response):
         raise InvalidRecord(f"{tid}: empty prompt or response tokens")
     if len(prompt) + len(response) > MAX_TOKENS:
         raise InvalidRecord(f"{tid}: {len(prompt) + len(response)} tokens, more than {MAX_TOKENS}", "too_long")
-    if min(prompt) < 0 or min(response) < 0:
+    if prompt.min() < 0 or response.min() < 0:
         raise InvalidRecord(f"{tid}: negative token id")
     if len(logprobs) != len(response):
         raise InvalidRecord(f"{tid}: {len(logprobs)} logprobs for {len(response)} response tokens")
-    lp = np.frombuffer(lp_array, dtype=np.float32)  # vectorised: these run once per record, per stage
-    if not (np.isfinite(lp).all() and (lp <= 1e-3).all()):
+    if not (np.isfinite(logprobs).all() and (logprobs <= 1e-3).all()):
         raise InvalidRecord(f"{tid}: logprobs must be finite and <= 0")
     raw_mask = t["loss_mask"]
-    if raw_mask and (len(raw_mask) != len(response) or int(np.frombuffer(raw_mask, dtype=np.uint8).max()) > 1):
-        raise InvalidRecord(f"{tid}: loss_mask must hold one 0/1 per response token")
-    mask = list(raw_mask) if raw_mask else [1] * len(response)
+    if raw_mask:
+        mask = np.frombuffer(raw_mask, dtype=np.uint8)
+        if len(mask) != len(response) or int(mask.max()) > 1:
+            raise InvalidRecord(f"{tid}: loss_mask must hold one 0/1 per response token")
+    else:
+        mask = np.ones(len(response), dtype=np.uint8)
     return prompt, response, logprobs, mask
 
 
@@ -104,8 +113,8 @@ def check_scored(rec: dict, vocab_size: int | None = None, max_len: int | None =
     tid = rec["trajectory"]["trajectory_id"]
     if not math.isfinite(rec["reward"]):
         raise InvalidRecord(f"{tid}: reward {rec['reward']} is not finite")
-    if vocab_size is not None and max(max(prompt), max(response)) >= vocab_size:
-        raise InvalidRecord(f"{tid}: token id {max(max(prompt), max(response))} outside the vocabulary ({vocab_size})")
+    if vocab_size is not None and (top := max(int(prompt.max()), int(response.max()))) >= vocab_size:
+        raise InvalidRecord(f"{tid}: token id {top} outside the vocabulary ({vocab_size})")
     if max_len is not None and len(prompt) + len(response) > max_len:
         raise InvalidRecord(f"{tid}: {len(prompt) + len(response)} tokens, more than the model's {max_len}", "too_long")
     return prompt, response, logprobs, mask

@@ -223,6 +223,16 @@ class RolloutConfig(StrictModel):
     reload_policy: Literal["drain", "interrupt"] = "drain"
     """On a new version: ``drain`` finishes in-flight samples first; ``interrupt`` aborts them, loads,
     and resumes them under the new weights (partial rollouts with version_min < version_max)."""
+    stale_restarts: int = Field(0, ge=0, le=100)
+    """``interrupt`` reloads under the sample staleness rule: how many times a single-turn sample
+    that the new version makes certain to be dropped (``version - version_min > k``; the trainer
+    trains at that version or later) is restarted from its prompt under the new weights instead of
+    being finished and then dropped. Its tokens so far are discarded (counted in the
+    ``restarted_samples`` and ``restart_discarded_tokens`` metrics). 0 = never (finish, drop).
+    A sample restarted this many times is finished as before, so a sample longer than k steps
+    cannot loop. Not applied to multi-turn samples or under ``trainer.staleness_rule = "token"``.
+    Off by default: on the sim long-tail bench it restarted 9-11 samples per run and did not lower
+    the stale drops, which come from whole groups (docs/benchmarks.md)."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pipeline.control import now_ms
+from pipeline.control import is_stale, now_ms
 from pipeline.errors import ConsumeError, DecodeError
 from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
 from pipeline.log import kv
@@ -79,6 +79,11 @@ class RolloutWorker(Worker):
         """Admitted samples kept beyond the free slots (look-ahead)."""
         self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.feed.replicate)))
         """Samples per prompt message (smoothed): how many messages fit the free slots."""
+        self._restart_stale = (
+            self.rc.reload_policy == "interrupt"
+            and self.rc.stale_restarts > 0
+            and cfg.trainer.staleness_rule == "sample"  # the token rule trains a late sample's fresh tokens
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -370,6 +375,9 @@ class RolloutWorker(Worker):
                     continue
                 self.running.pop(out.rid)
                 s.add_output(out, self.engine.version)
+                if self._doomed(s, self.weights.loadable[0]["version"]):
+                    self.metrics.inc("restarted_samples")
+                    self.metrics.inc("restart_discarded_tokens", s.restart())
                 self.ready.appendleft(s)  # resumed by the next _start_samples, under the new weights
                 self.metrics.inc("interrupted")
             self._handle_outputs(finished)
@@ -377,6 +385,17 @@ class RolloutWorker(Worker):
             return  # drain: wait for the engine to empty
         self._load()
         self._release_held()
+
+    def _doomed(self, s: Sample, version: int) -> bool:
+        """True if ``s`` should restart: the trainer, at ``version`` or later, is certain to drop it
+        (sample rule), it is single-turn, and it has restarts left (``rollout.stale_restarts``)."""
+        return (
+            self._restart_stale
+            and s.env is None
+            and s.restarts < self.rc.stale_restarts
+            and s.version_min is not None
+            and is_stale(version, s.version_min, self.k)
+        )
 
     def _load(self) -> None:
         with self.section("weight load"):

@@ -8,7 +8,8 @@ with loss_mask 0 and logprob 0. ``max_new_tokens`` bounds all response tokens of
 
 A turn aborted by a weight reload (``interrupt``) keeps its tokens; the next request continues
 it under the new weights, so version_min < version_max and ``metadata["versions"]`` lists
-``index@version`` where each version's tokens start.
+``index@version`` where each version's tokens start. A single-turn sample the new version makes
+certain to be stale can instead ``restart`` from its prompt (``rollout.stale_restarts``).
 
 What this is not: Kafka or engine code; the worker moves samples between those.
 """
@@ -51,6 +52,8 @@ class Sample:
     started_ms: int = 0
     finished_ms: int = 0
     attempt: int = 0
+    restarts: int = 0
+    """Times the sample was started again from its prompt (``restart``)."""
 
     @property
     def tid(self) -> str:
@@ -96,6 +99,18 @@ class Sample:
         self.logprobs.extend(out.logprobs)
         self.mask.extend([1] * len(out.tokens))
         self.turn_tokens += len(out.tokens)
+
+    def restart(self) -> int:
+        """Discard the (single-turn) response so far: the next request generates it again from the
+        prompt. Returns the number of tokens discarded."""
+        if self.env is not None:
+            raise ValueError("a multi-turn sample cannot restart: its environment has moved on")
+        dropped = len(self.tokens)
+        self.tokens, self.logprobs, self.mask, self.version_marks = [], [], [], []
+        self.turn_tokens = 0
+        self.version_min = self.version_max = None
+        self.restarts += 1
+        return dropped
 
     def end_turn(self, out: GenOutput, eos_id: int) -> bool:
         """After a completed model turn: True if the episode goes on (an env step is due)."""

@@ -219,6 +219,24 @@ def test_pool_isolates_errors_and_timeouts(kind):
         pool.close()
 
 
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_pool_streams_large_batches_in_order_around_a_hung_call(kind):
+    """Lanes take chunks: a hung call in the middle of one times out alone, the calls queued behind
+    it are scored on the replacement, and every answer lands at its own index."""
+    pool = ProcessPool(PICKY, 2, 2.0).start() if kind == "process" else ThreadPool(PICKY, 2, 2.0)
+    try:
+        texts = ["x" * (1 + i % 7) for i in range(100)]
+        texts[37] = "HANG"
+        out = pool.score([traj(t) for t in texts])
+        assert [o.ok for o in out] == [i != 37 for i in range(100)]
+        assert out[37].error_type == "reward_timeout"
+        assert [o.details["tests.test_reward_fns:picky.len"] for o in out if o.ok] == [
+            float(len(t)) for i, t in enumerate(texts) if i != 37
+        ]
+    finally:
+        pool.close()
+
+
 def test_process_pool_survives_dying_scoring_processes():
     pool = ProcessPool(PICKY, 1, 5.0).start()
     try:

@@ -81,7 +81,7 @@ def test_plan_masks_a_copy_and_keeps_the_sample_in_the_baseline():
     a = 0.5 / (math.sqrt(0.5) + 1e-6)  # grpo over the two rewards [1, 0]
     assert [s.advantage for s in plan.train] == pytest.approx([a, -a])
     kept = plan.train[1]
-    assert kept.mask == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1] and partial.mask == [1] * 10  # the record is untouched
+    assert kept.mask.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1] and partial.mask == [1] * 10  # the record is untouched
     assert kept.cut == TokenCut(4, 4, 2) and kept is not partial and plan.train[0] is fresh
     assert plan.token_masked() == {"g/1": {"from": 4, "masked": 4, "oldest": 2}}
     assert plan.version_lag_counts() == {0: 1, 1: 1}

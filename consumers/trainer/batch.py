@@ -13,7 +13,10 @@ re-exported here. Not a data loader: the trainer's consumer loop feeds it.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from consumers.trainer import advantages
 from consumers.trainer.collate import MicroBatch, collate, pack, shard_micro_batches, split_by_tokens, trainable_start
@@ -38,16 +41,20 @@ from pipeline.records import check_scored
 
 @dataclass
 class Sample:
-    """One scored trajectory, decoded. ``mask`` has one 0/1 per response token (1 = trained)."""
+    """One scored trajectory, decoded. ``mask`` has one 0/1 per response token (1 = trained).
+
+    The token arrays are numpy arrays when read from Kafka (views of the record's bytes, see
+    ``pipeline.records.check_trajectory``); tests may pass lists. Code here treats them as
+    sequences (``len``, slices, ``np.asarray``), never as lists."""
 
     trajectory_id: str
     group_id: str
     partition: int
     offset: int
-    prompt: list[int]
-    response: list[int]
-    logprobs: list[float]
-    mask: list[int]
+    prompt: Sequence[int]
+    response: Sequence[int]
+    logprobs: Sequence[float]
+    mask: Sequence[int]
     reward: float
     version_min: int
     version_max: int
@@ -167,7 +174,9 @@ def plan_step(
             elif cut.start == 0:
                 fresh.append(s)
             else:
-                fresh.append(replace(s, mask=[0] * cut.start + s.mask[cut.start :], cut=cut))
+                mask = np.array(s.mask, dtype=np.uint8)  # a copy: the group's sample keeps its mask
+                mask[: cut.start] = 0
+                fresh.append(replace(s, mask=mask, cut=cut))
         if not g.complete and incomplete_policy == "drop":
             plan.incomplete_dropped.extend(fresh)
             continue
@@ -207,7 +216,7 @@ def sample_weights(samples: list[Sample], loss_cfg) -> list[float]:
     parallelism give the same loss as one big batch. Sequences without a trained token get 0
     and do not count in B.
     """
-    counts = [sum(s.mask[trainable_start(s) :]) for s in samples]
+    counts = [int(np.count_nonzero(np.asarray(s.mask)[trainable_start(s) :])) for s in samples]
     nonzero = [c for c in counts if c > 0]
     if not nonzero:
         return [0.0] * len(samples)

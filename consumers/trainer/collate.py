@@ -14,14 +14,13 @@ Two layouts of a ``MicroBatch`` (shifted arrays have length T - 1: position t pr
 
 Per-sample values (``advantages``, ``weights``) have one entry per sample in both layouts; the
 loss broadcasts them over a sample's tokens with ``segments`` (packed) or per row (padded).
-Everything is built with vectorised torch ops (one tensor per field, no per-token Python). Not
+Everything is built with numpy slice assignments, one per array and sample (no per-token Python). Not
 the step plan (``batch.py``) nor the loss (``losses.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 _TENSORS = ("input_ids", "attention_mask", "targets", "token_mask", "old_logp", "advantages", "weights")
 _OPTIONAL = ("prox_logp", "ref_logp", "position_ids", "segments")
@@ -74,7 +73,7 @@ class MicroBatch:
 
 def trainable_start(s) -> int:
     """First response index that can be predicted (the first token needs a prompt token)."""
-    return 0 if s.prompt else 1
+    return 0 if len(s.prompt) else 1
 
 
 def _dummy(pad_id: int) -> MicroBatch:
@@ -94,26 +93,30 @@ def _dummy(pad_id: int) -> MicroBatch:
     )
 
 
-def _flat(samples):
-    """Token ids of every sample (prompt + response) as one tensor, plus the index tensors that
-    place them and their response tokens: (flat ids, lengths, prompt lengths, response row index,
-    response index j within its sample, response mask values, response logprobs)."""
+def _fill(samples, rows: int, width: int, pad_id: int, packed: bool):
+    """numpy arrays of the batch: token ids and attention ([rows, width]), and the token mask and
+    behaviour logprobs of the shifted positions ([rows, width - 1]). One slice assignment per array
+    and sample (padded: sample i is row i; packed: samples follow each other in row 0), so the
+    per-token work is numpy's."""
     import numpy as np
-    import torch
 
-    def flat(lists, dtype, n):  # numpy's fromiter is several times faster than torch.tensor(list)
-        return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype=dtype, count=n))
-
-    plens = torch.tensor([len(s.prompt) for s in samples], dtype=torch.long)
-    rlens = torch.tensor([len(s.response) for s in samples], dtype=torch.long)
-    lens = plens + rlens
-    n_tok, n_resp = int(lens.sum()), int(rlens.sum())
-    ids = flat((x for s in samples for x in (s.prompt, s.response)), np.int64, n_tok)
-    rows = torch.repeat_interleave(torch.arange(len(samples)), rlens)
-    j = torch.arange(n_resp) - torch.repeat_interleave(torch.cumsum(rlens, 0) - rlens, rlens)
-    masks = flat((s.mask for s in samples), np.float32, n_resp)
-    lps = flat((s.logprobs for s in samples), np.float32, n_resp)
-    return ids, lens, plens, rows, j, masks, lps
+    ids = np.full((rows, width), pad_id, dtype=np.int64)
+    attn = np.zeros((rows, width), dtype=np.int64)
+    mask = np.zeros((rows, width - 1), dtype=np.float32)
+    old = np.zeros((rows, width - 1), dtype=np.float32)
+    start = 0
+    for i, s in enumerate(samples):
+        row = 0 if packed else i
+        p, r = len(s.prompt), len(s.response)
+        ids[row, start : start + p] = s.prompt
+        ids[row, start + p : start + p + r] = s.response
+        attn[row, start : start + p + r] = 1
+        first = trainable_start(s)  # position start + p + j - 1 predicts response token j
+        mask[row, start + p + first - 1 : start + p + r - 1] = s.mask[first:]
+        old[row, start + p + first - 1 : start + p + r - 1] = s.logprobs[first:]
+        if packed:
+            start += p + r
+    return ids, attn, mask, old
 
 
 def collate(samples: list, weights: list[float], pad_id: int = 0) -> MicroBatch:
@@ -122,26 +125,13 @@ def collate(samples: list, weights: list[float], pad_id: int = 0) -> MicroBatch:
 
     if not samples:
         return _dummy(pad_id)
-    flat, lens, plens, rrows, j, rmask, rlps = _flat(samples)
-    b = len(samples)
-    t = max(int(lens.max()), 2)
-    rows = torch.repeat_interleave(torch.arange(b), lens)
-    cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    input_ids[rows, cols] = flat
-    attn = torch.zeros(b, t, dtype=torch.long)
-    attn[rows, cols] = 1
-    pos = plens[rrows] + j - 1  # position that predicts response token j
-    ok = pos >= 0  # j = 0 without a prompt: nothing predicts it
-    token_mask = torch.zeros(b, t - 1)
-    old = torch.zeros(b, t - 1)
-    token_mask[rrows[ok], pos[ok]] = rmask[ok]
-    old[rrows[ok], pos[ok]] = rlps[ok]
+    t = max(max(seq_len(s) for s in samples), 2)
+    ids, attn, mask, old = (torch.from_numpy(x) for x in _fill(samples, len(samples), t, pad_id, packed=False))
     return MicroBatch(
-        input_ids=input_ids,
+        input_ids=ids,
         attention_mask=attn,
-        targets=input_ids[:, 1:].clone(),
-        token_mask=token_mask,
+        targets=ids[:, 1:].clone(),
+        token_mask=mask,
         old_logp=old,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         weights=torch.tensor(weights, dtype=torch.float32),
@@ -155,29 +145,20 @@ def pack(samples: list, weights: list[float], pad_id: int = 0) -> MicroBatch:
 
     if not samples:
         return _dummy(pad_id)
-    flat, lens, plens, rrows, j, rmask, rlps = _flat(samples)
+    lens = torch.tensor([seq_len(s) for s in samples], dtype=torch.long)
     total = int(lens.sum())
-    starts = torch.cumsum(lens, 0) - lens
-    if total < 2:  # a single one-token sample: pad to the two positions a shifted array needs
-        flat = torch.cat([flat, torch.full((2 - total,), pad_id, dtype=torch.long)])
-    n = flat.numel()
+    n = max(total, 2)  # a single one-token sample: pad to the two positions a shifted array needs
+    ids, _, mask, old = (torch.from_numpy(x) for x in _fill(samples, 1, n, pad_id, packed=True))
     seg_of_token = torch.repeat_interleave(torch.arange(len(samples)), lens)
-    position_ids = torch.arange(total) - torch.repeat_interleave(starts, lens)
+    position_ids = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
     if n > total:
         seg_of_token = torch.cat([seg_of_token, seg_of_token[-1:].expand(n - total)])
         position_ids = torch.cat([position_ids, position_ids[-1:] + 1])
-    pos = starts[rrows] + plens[rrows] + j - 1
-    ok = plens[rrows] + j - 1 >= 0
-    token_mask = torch.zeros(1, n - 1)
-    old = torch.zeros(1, n - 1)
-    token_mask[0, pos[ok]] = rmask[ok]
-    old[0, pos[ok]] = rlps[ok]
-    input_ids = flat.unsqueeze(0)
     return MicroBatch(
-        input_ids=input_ids,
+        input_ids=ids,
         attention_mask=torch.ones(1, n, dtype=torch.long),
-        targets=input_ids[:, 1:].clone(),
-        token_mask=token_mask,
+        targets=ids[:, 1:].clone(),
+        token_mask=mask,
         old_logp=old,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         weights=torch.tensor(weights, dtype=torch.float32),

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import pairwise
 
+import numpy as np
+
 from pipeline.control import is_stale
 from pipeline.records import InvalidRecord
 
@@ -96,7 +98,8 @@ def gate(sample, version: int, k: int, rule: str, trainable_start: int) -> Token
         raise ValueError(f"unknown staleness rule {rule!r}")
     start = first_fresh(sample.version_marks, sample.version_min, len(sample.response), version, k)
     lo = max(start, trainable_start)
-    if not any(sample.mask[lo:]):
+    mask = np.asarray(sample.mask)
+    if not mask[lo:].any():
         return None
-    masked = sum(sample.mask[trainable_start:lo])
+    masked = int(np.count_nonzero(mask[trainable_start:lo]))
     return TokenCut(start, masked, token_version(sample.version_marks, sample.version_min, start))

@@ -106,6 +106,7 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
         f"rollout.max_inflight={sz['inflight']}",
         f"rollout.max_new_tokens={sz['clip']}",
         'rollout.reload_policy="interrupt"',
+        "rollout.stale_restarts=1",
         "rollout.metrics_interval_s=1",
         "rollout.poll_timeout_s=0.02",
         'kafka.consumer={"fetch.wait.max.ms" = 50}',
@@ -268,6 +269,15 @@ def _checkpoint_seconds(cfg, t0: float, t1: float) -> tuple[float | None, list[f
     return (total if seen else None), publish
 
 
+def rollout_totals(cfg, names: tuple[str, ...] = ("restarted_samples", "restart_discarded_tokens")) -> dict:
+    """The rollout workers' final cumulative counters (summed over workers), from rl.metrics."""
+    last: dict[str, dict] = {}
+    for ev in metric_events(cfg):
+        if ev["role"] == "rollout":
+            last[ev["worker_id"]] = ev["metrics"]
+    return {n: int(sum(m.get(n, 0) for m in last.values())) for n in names}
+
+
 def _union(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, -math.inf
     for a, b in sorted(intervals):
@@ -304,6 +314,7 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
     row.update(status=res.status, wall_s=res.wall_s)
     row["loadavg"] = res.loadavg
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))
+    row.update(rollout_totals(cfg))
     if plan:
         row["plan"] = plan
         row["achieved_over_ideal"] = rnd((row.get("samples_per_s") or 0) / plan["ideal_samples_per_s"])
@@ -312,6 +323,7 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
         row["kafka_share"] = kafka_share(row)
     log_line(
         ctx, name, status=res.status, samples_per_s=row.get("samples_per_s"), stale=row.get("stale_dropped"),
+        restarted=row.get("restarted_samples"),
         tokens_masked=row.get("tokens_masked"), partial_rollouts=row.get("partial_rollouts"),
         achieved_over_ideal=row.get("achieved_over_ideal"), wall_s=res.wall_s,
     )  # fmt: skip
@@ -383,16 +395,22 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
 
 def table(result: dict) -> str:
     headers = ["engine", "workload", "k", "rule", "samples/s", "tokens/s", "trainer idle", "rollout idle",
-               "stale dropped", "stale tokens", "tokens masked", "partial rollouts", "speedup vs k=0",
-               "achieved/ideal"]  # fmt: skip
+               "stale dropped", "stale tokens", "restarted (tokens discarded)", "tokens masked",
+               "partial rollouts", "speedup vs k=0", "achieved/ideal"]  # fmt: skip
     rows = [
         [r["engine"], r["workload"], r["k"], r.get("rule", "sample"), r.get("samples_per_s"), r.get("tokens_per_s"),
          r.get("trainer_idle_fraction"), r.get("rollout_idle_fraction"), r.get("stale_dropped"),
-         r.get("stale_dropped_tokens"), r.get("tokens_masked"), r.get("partial_rollouts"), r.get("speedup_over_k0"),
-         r.get("achieved_over_ideal")]
+         r.get("stale_dropped_tokens"), _restarts(r), r.get("tokens_masked"), r.get("partial_rollouts"),
+         r.get("speedup_over_k0"), r.get("achieved_over_ideal")]
         for r in result["runs"]
     ]  # fmt: skip
     return md_table(headers, rows)
+
+
+def _restarts(r: dict) -> str | None:
+    if r.get("restarted_samples") is None:
+        return None
+    return f"{r['restarted_samples']} ({r.get('restart_discarded_tokens', 0)})"
 
 
 def plot(out: Path, rows: list[dict]) -> list[Path]:

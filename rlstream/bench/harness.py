@@ -238,7 +238,20 @@ def _start_profilers(sup, names: list[str], run_dir: Path) -> dict:
         if child is None:
             continue
         out = run_dir / f"profile-{name}.txt"
-        argv = [exe, "record", "--pid", str(child.proc.pid), "-r", "100", "-f", "raw", "-o", str(out), "--nonblocking"]
+        argv = [
+            exe,
+            "record",
+            "--pid",
+            str(child.proc.pid),
+            "-r",
+            "100",
+            "-f",
+            "raw",
+            "-o",
+            str(out),
+            "--nonblocking",
+            "--idle",
+        ]
         log = open(run_dir / "logs" / f"py-spy-{name}.log", "wb")
         spies[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), out)
     return spies

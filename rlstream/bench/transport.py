@@ -46,7 +46,13 @@ from rlstream.bench.raw_kafka import measure_throughput
 
 SIZES = {
     "tiny": {"trajectories": 256, "response_tokens": 128, "prompt_tokens": 32, "trainer_steps": 4, "raw_factor": 1},
-    "full": {"trajectories": 8192, "response_tokens": 1024, "prompt_tokens": 128, "trainer_steps": 12, "raw_factor": 3},
+    "full": {
+        "trajectories": 8192,
+        "response_tokens": 1024,
+        "prompt_tokens": 128,
+        "trainer_steps": 128,
+        "raw_factor": 3,
+    },
 }
 GROUP_SIZE, GROUPS_PER_STEP = 8, 8
 
