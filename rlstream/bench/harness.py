@@ -271,16 +271,17 @@ def _stop_profilers(spies: dict) -> dict[str, str]:
     return out
 
 
-LOOPS = re.compile(r"(^|;)(Trainer|RolloutWorker|RewardWorker)\.run ")
-KAFKA_FRAMES = ("pipeline/kafka.py", "pipeline/codec.py", "pipeline/control.py", "confluent_kafka", "fastavro")
+LOOPS = re.compile(r"(^|;)(Trainer|RolloutWorker|RewardWorker)\.run_once ")
+KAFKA_FRAMES = ("pipeline/kafka/", "pipeline/codec.py", "pipeline/control.py", "confluent_kafka", "fastavro")
 
 
 def summarize_profile(path: str | Path, rate_hz: float = 100.0, top: int = 10) -> dict:
     """What a worker's main loop spent CPU on, from a py-spy raw profile (on-CPU samples only, so
     waiting in a poll or a sleep is not counted). Start-up (imports, model load) is excluded: only
-    stacks inside ``Trainer.run``/``RolloutWorker.run``/``RewardWorker.run`` count.
+    stacks inside ``Trainer.run_once``/``RolloutWorker.run_once``/``RewardWorker.run_once`` (the
+    loop body under ``pipeline.worker``) count.
 
-    Phases by frame: ``kafka+avro`` (``pipeline/kafka.py``, ``codec.py``, ``control.py``,
+    Phases by frame: ``kafka+avro`` (``pipeline/kafka/``, ``codec.py``, ``control.py``,
     confluent_kafka, fastavro), ``engine`` (``engines/``), ``batching`` (``consumers/trainer/batch.py``)
     and ``other``. Seconds are samples / ``rate_hz``."""
     phases = {"kafka+avro": 0, "engine": 0, "batching": 0, "other": 0}
@@ -297,7 +298,7 @@ def summarize_profile(path: str | Path, rate_hz: float = 100.0, top: int = 10) -
             phases["kafka+avro"] += n
         elif any("engines/" in f for f in frames):
             phases["engine"] += n
-        elif any("consumers/trainer/batch.py" in f for f in frames):
+        elif any("consumers/trainer/batch.py" in f or "consumers/trainer/collate.py" in f for f in frames):
             phases["batching"] += n
         else:
             phases["other"] += n
