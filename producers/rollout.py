@@ -81,7 +81,6 @@ class RolloutWorker(Worker):
         """Samples per prompt message (smoothed): how many messages fit the free slots."""
         self._restart_stale = (
             self.rc.reload_policy == "interrupt"
-            and self.rc.stale_restarts > 0
             and cfg.trainer.staleness_rule == "sample"  # the token rule trains a late sample's fresh tokens
         )
 

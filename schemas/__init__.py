@@ -30,7 +30,7 @@ class SchemaInfo:
     version: int
     parsed: dict
     fingerprint: bytes  # 8-byte CRC-64-AVRO of the parsing canonical form (little-endian)
-    fast: dict | None = None
+    fast: dict
     """The same schema carrying fastavro's "already parsed" marker: the one to hand to fastavro's
     readers and writers, which otherwise parse an unmarked schema again on every call (about
     20 us a record). ``parsed`` stays unmarked for the canonical form and for tools."""

@@ -3,8 +3,9 @@
 Both pools keep ``size`` long-lived *lanes* (scorers) and stream work to them: a lane holds up to
 ``depth`` trajectories in flight, sent as one chunk, scores them in order and answers each as it
 finishes; the pool tops a thread lane up when it falls to half, a process lane when it is empty
-(a chunk may not fit the pipe's buffer, and a send must never wait behind a hung call). So a light reward costs no round trip
-(nor thread start) per record, and a slow one still keeps every lane busy. Deadlines stay per
+(a chunk may not fit the pipe's buffer, and a send must never wait behind a hung call). So a
+light reward costs no round trip (nor thread start) per record, and a slow one still keeps every
+lane busy. Deadlines stay per
 call: the head of a lane started when the lane received it or when the lane answered the call
 before it, whichever is later; a head past ``timeout_s`` is a ``reward_timeout``, its lane is
 replaced, and the calls queued behind it go back to the pending work (they never started).
@@ -78,7 +79,7 @@ def _timeout(timeout_s: float) -> Outcome:
 
 # ---- lanes (shared by both pools) -------------------------------------------------------------
 DEPTH = 16
-"""Most trajectories in flight per lane (one chunk); the pool tops a lane up below DEPTH // 2."""
+"""Most trajectories in flight per lane; a lane gets its next chunk at ``refill_at`` or fewer."""
 
 
 class _Lane:
@@ -114,6 +115,19 @@ class _LanePool:
 
     def _on_replace(self, lane, why: str) -> None:
         pass
+
+    def _started(self, lane, event: tuple) -> bool:
+        """Handle a lane's start-up event ("ready", "failed", or "died" before it was ready);
+        False for any other event."""
+        if event[0] == "ready":
+            lane.ready = True
+        elif event[0] == "failed":
+            raise RlstreamError(f"a scorer failed at start: {event[1]}")
+        elif event[0] == "died" and not lane.ready:
+            raise RlstreamError(f"a scoring process died at start ({event[1]})")
+        else:
+            return False
+        return True
 
     def _replace(self, i: int, why: str) -> None:
         old = self.lanes[i]
@@ -152,14 +166,9 @@ class _LanePool:
                 i = self.lanes.index(lane) if lane in self.lanes else -1
                 if i < 0:
                     continue  # an answer from a lane replaced meanwhile (an abandoned thread)
-                kind = event[0]
-                if kind == "ready":
-                    lane.ready = True
-                elif kind == "failed":
-                    raise RlstreamError(f"a scorer failed at start: {event[1]}")
-                elif kind == "died":
-                    if not lane.ready:
-                        raise RlstreamError(f"a scoring process died at start ({event[1]})")
+                if self._started(lane, event):
+                    continue
+                if event[0] == "died":
                     if lane.inflight:
                         idx = lane.inflight.popleft()
                         deaths[idx] = deaths.get(idx, 0) + 1
@@ -266,12 +275,7 @@ class ProcessPool(_LanePool):
             if left <= 0:
                 raise RlstreamError("a scoring process did not start in time")
             for lane, event in self._wait(left):
-                if event[0] == "ready":
-                    lane.ready = True
-                elif event[0] == "failed":
-                    raise RlstreamError(f"a scoring process failed at start: {event[1]}")
-                else:
-                    raise RlstreamError(f"a scoring process died at start ({event[1]})")
+                self._started(lane, event)
         return self
 
     def _on_replace(self, lane, why: str) -> None:
