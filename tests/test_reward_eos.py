@@ -103,6 +103,9 @@ def test_workers_join_and_leave_mid_stream(make_config, cli_env, tmp_path):
         "reward.max_batch_ms=200",
         "reward.session_timeout_ms=6000",
         "reward.transaction_timeout_ms=10000",
+        # each commit (on the commit thread) lasts >= 100 ms, so rebalances land while one is in flight:
+        # the revoke waits for it, and the partitions move with their offsets committed
+        "reward.chaos_delay_in_txn_ms=100",
     ]
     w1, w2, w3 = (Worker(cli_env, f"w{k}", tmp_path, sets) for k in (1, 2, 3))
     workers = [w1, w2, w3]

@@ -169,6 +169,58 @@ def test_aborted_transaction_is_rewound_and_retried(make_config):
     assert read_all(cfg, "dlq") == []
 
 
+class FailSecondCommit(RewardWorker):
+    """Fails its second commit with an abortable error. With ``overlap_commit`` that commit runs on
+    the commit thread, and it first waits until the main thread has read the batch after it."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.commits = 0
+        self.batches: list[list[int]] = []  # the offsets of every batch processed, in order
+        self.meanwhile: int | None = None  # index of the batch read while the failing commit ran
+
+    def _process(self, batch):
+        self.batches.append([m.offset() for m in batch])
+        super()._process(batch)
+
+    def _end_txn(self, txn):
+        self.committing = len(self.batches) - 1 - self.batches[::-1].index([m.offset() for m in txn.batch])
+        super()._end_txn(txn)
+
+    def _commit(self):
+        self.commits += 1
+        if self.commits == 2:
+            if self.rc.overlap_commit:
+                nxt = self.committing + 1
+                assert wait_for(lambda: len(self.batches) > nxt, 60), "no batch was read during the commit"
+                self.meanwhile = nxt
+            raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
+        super()._commit()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failed_commit_rewinds_its_batch_and_the_batch_read_meanwhile(make_config, overlap):
+    cfg = make_config(
+        "topics.rollouts.partitions=1",
+        "reward.executor=thread",
+        "reward.max_batch_size=8",
+        "reward.max_batch_ms=500",
+        f"reward.overlap_commit={str(overlap).lower()}",
+    )
+    n = 40
+    produce(cfg, [(b"g", codec.encode("Trajectory", traj(i, "abc", "g"))) for i in range(n)])
+    w = FailSecondCommit(cfg)
+    with running(w):
+        scored = read_all(cfg, "scored", n)
+        assert wait_for(lambda: w.metrics.counters.get("consumed") == n, 60)
+    ids = [decode_message(m, "ScoredTrajectory")["trajectory"]["trajectory_id"] for m in scored]
+    assert len(ids) == n and len(set(ids)) == n  # nothing skipped, nothing scored twice
+    assert w.metrics.counters["txn_aborts"] == 1
+    if overlap:  # the batch read while the failed commit ran was dropped and read again
+        later = {o for b in w.batches[w.meanwhile + 1 :] for o in b}
+        assert w.batches[w.meanwhile] and set(w.batches[w.meanwhile]) <= later
+
+
 def test_zombie_is_fenced_by_a_worker_with_the_same_id(make_config):
     cfg = make_config(
         "topics.rollouts.partitions=1", "reward.executor=thread", "reward.worker_id=same", "reward.max_batch_ms=50"

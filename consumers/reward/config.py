@@ -84,6 +84,10 @@ class RewardConfig(StrictModel):
     """Most rollouts scored and committed in one transaction."""
     max_batch_ms: int = Field(500, ge=1, le=600_000)
     """Longest a batch waits to fill once its first message arrived."""
+    overlap_commit: bool = False
+    """Send batch N's offsets and commit its transaction on a commit thread while batch N+1 is read
+    and scored (transaction N+1 begins once N has committed; a rebalance waits for the commit).
+    Exactly once either way; false commits each batch before reading the next."""
     idle_poll_s: float = Field(0.5, gt=0, le=60)
     """How long one poll waits for a first message when idle."""
     transaction_timeout_ms: int = Field(60_000, ge=1000, le=900_000)

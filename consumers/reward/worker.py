@@ -5,21 +5,27 @@ Loop: collect a batch (up to ``max_batch_size`` messages or ``max_batch_ms``), d
 in the pool (no consumer call while scoring), then in ONE Kafka transaction produce a
 ScoredTrajectory per good message and a DeadLetter per bad one (undecodable, wrong schema, reward
 raised, reward timed out), send the batch's next offsets with the consumer's group metadata, and
-commit. The transaction is never open across a consumer poll, so a rebalance callback never sees
-one in flight: on revoke the worker only drops the uncommitted buffered messages of the revoked
-partitions (their next owner re-reads them from the committed offsets). If a transaction fails
-with a non-fatal error it is aborted and the consumer seeks back to the batch's first offsets, so
-nothing is skipped. A fatal error (e.g. fenced by a newer instance with the same transactional id)
-stops the worker with an error.
+commit. The transaction is never open across a consumer poll on the main thread: with
+``reward.overlap_commit`` (off by default) the offsets and the commit of batch N run on a commit
+thread while the main thread collects and scores batch N+1, and every rebalance callback first
+waits for that commit to end, so a partition is never handed over with its transaction pending.
+Transaction N+1 begins only once N has committed. If a transaction fails with a non-fatal error it
+is aborted and the consumer seeks back to the batch's first offsets (and drops the next batch,
+read meanwhile), so nothing is skipped. A fatal error (e.g. fenced by a newer instance with the
+same transactional id) stops the worker with an error.
 
 What it is not: it never commits offsets outside a transaction and never writes partial batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from consumers.reward.metrics import RewardMetrics
 from consumers.reward.pool import make_pool
@@ -31,6 +37,19 @@ from pipeline.records import check_trajectory
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Txn:
+    """A transaction whose batch is produced; its offsets and commit run on the commit thread."""
+
+    batch: list
+    scored: list
+    dead: list
+    t0: float
+    checkpointed: threading.Event = field(default_factory=threading.Event)
+    """Set once the commit thread is past the fault-injection pause (``chaos_delay_in_txn_ms``)."""
+    future: Future | None = None
 
 
 class RewardWorker(Worker):
@@ -47,12 +66,18 @@ class RewardWorker(Worker):
         self.topic_metrics = cfg.topics.name("metrics")
         self._buffer: list = []
         self._in_txn = False
+        self._txn: _Txn | None = None
+        """The produced transaction whose commit is in flight (at most one)."""
+        self._rewind_due: tuple[list, Exception, str] | None = None
+        """A failed transaction's batch, to be read again (with whatever was read after it)."""
+        self._committer: ThreadPoolExecutor | None = None
         self.pool = self.producer = self.consumer = self.metrics = self._metrics_producer = None
         rc = self.rc  # the longest one batch may take to score: every call timing out, one pool slot at a time
         self._scoring_s = rc.timeout_s * math.ceil(rc.max_batch_size / rc.pool_size) + rc.max_batch_ms / 1000 + 30
         # The watchdog's limit of one transaction call: the last resort behind the wrapper's own bound
         # (pipeline.kafka.WedgedClient: librdkafka #5456 can block send_offsets_to_transaction forever).
         self._txn_call_s = cfg.kafka.request_timeout_s + 30  # past the wrapper's own bound (+15 s)
+        self._commit_wait_s = self._txn_call_s * 11  # send_offsets, then up to 10 commit attempts
 
     def _kafka_settings(self, base: dict, settings: dict, user: dict) -> dict:
         """Role settings under the user's explicit ``kafka.*`` extras, which win."""
@@ -76,6 +101,8 @@ class RewardWorker(Worker):
         path = self.write_resolved()
         self._check_topics()
         self.pool = make_pool(rc, cfg.log_level)
+        if rc.overlap_commit:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="reward-commit")
         pconf = self._kafka_settings(
             client_conf(cfg, "reward", self.worker_id, "producer"),
             {"transaction.timeout.ms": rc.transaction_timeout_ms},
@@ -110,6 +137,7 @@ class RewardWorker(Worker):
                 topic=self.topic_in,
                 executor=rc.executor,
                 pool_size=rc.pool_size,
+                overlap_commit=rc.overlap_commit,
                 config=path,
             ),
         )
@@ -119,15 +147,23 @@ class RewardWorker(Worker):
         batch = self._collect()
         if batch and not self.stop_event.is_set():
             self._process(batch)
+        else:  # idle (or stopping): end the transaction in flight
+            self._settle()
+            self._rewound([])
         self.metrics.maybe_publish()
         self._metrics_producer.poll(0)
         return True
 
+    def finish(self) -> None:
+        """A stop: let the transaction in flight commit (a failed one is read again by the next owner)."""
+        self._settle()
+
     def close(self) -> None:
-        """Abort an open transaction, leave the group, stop the pool, publish final metrics, flush.
-        After a failure a closing step that fails is logged, not raised."""
+        """Wait for the commit in flight, abort an open transaction, leave the group, stop the pool,
+        publish final metrics, flush. After a failure a closing step that fails is logged, not raised."""
         failing = self.failed
         steps = [
+            ("commit thread", self._close_committer),
             ("abort", self._abort_on_exit),
             ("consumer", self._close_consumer),  # leaves the group (a static member keeps its slot)
             ("pool", self._close_pool),
@@ -142,6 +178,13 @@ class RewardWorker(Worker):
                     raise
                 log.warning("error while closing %s", kv(step=name, error=f"{type(exc).__name__}: {exc}"))
         log.info("reward worker stopped %s", kv(worker_id=self.worker_id))
+
+    def _close_committer(self, failing: bool) -> None:
+        committer, self._committer = self._committer, None
+        if self._txn is not None and not failing:
+            self._settle()
+        if committer is not None:  # after a failure a stuck commit is left to _abort_on_exit's fencing
+            committer.shutdown(wait=not failing, cancel_futures=True)
 
     def _abort_on_exit(self, failing: bool) -> None:
         if self.producer is not None and self._in_txn:
@@ -192,7 +235,8 @@ class RewardWorker(Worker):
         self._drop(partitions, "lost")
 
     def _drop(self, partitions, why: str) -> None:
-        if self._in_txn:  # cannot happen (no poll inside a transaction); abort rather than commit blind
+        self._settle()  # a partition leaves only once the commit in flight has ended (committed or aborted)
+        if self._in_txn:  # cannot happen (no poll inside an open transaction); abort rather than commit blind
             self.producer.abort_transaction(30)
             self._in_txn = False
         gone = {(tp.topic, tp.partition) for tp in partitions}
@@ -229,6 +273,8 @@ class RewardWorker(Worker):
             self._buffer.extend(m for m in msgs if (m.topic(), m.partition()) in assigned)
 
     def _process(self, batch: list) -> None:
+        if self._rewound(batch):  # a rebalance callback found the previous transaction failed
+            return
         good, bad = [], []  # (msg, trajectory) / (msg, error_type, reason, latency_ms)
         for m in batch:
             try:
@@ -239,12 +285,13 @@ class RewardWorker(Worker):
                 bad.append((m, exc.error_type, str(exc), 0.0))
         with self.section("scoring", self._scoring_s):
             outcomes = self.pool.score([t for _, t in good])
-        t0 = time.perf_counter()
-        scored, dead = [], []
-        with self.section("transaction", self.liveness.watchdog_s):
-            self._transaction(batch, good, bad, outcomes, scored, dead)
-        self.metrics.committed(scored, dead, (time.perf_counter() - t0) * 1000)
-        log.debug("transaction committed %s", kv(worker_id=self.worker_id, scored=len(scored), dlq=len(dead)))
+        self._settle()  # transaction N ends (its commit overlapped the work above) before N+1 begins
+        if self._rewound(batch):
+            return
+        self._start_txn(batch, good, bad, outcomes)
+        if self._committer is None:
+            self._settle()
+            self._rewound([])
 
     def _new_producer(self) -> None:
         """The transactional producer; ``init_transactions`` fences (and aborts the open transaction
@@ -253,62 +300,58 @@ class RewardWorker(Worker):
         init_s = max(60.0, self.rc.transaction_timeout_ms / 1000 + 30)
         self.startup_call(lambda: self.producer.init_transactions(init_s), "init_transactions")
 
-    def _replace_wedged_producer(self, batch: list, exc: WedgedClient) -> None:
+    def _replace_wedged_producer(self, exc: WedgedClient) -> None:
         """librdkafka blocked for good in a transaction call (after a broker restart): park that
-        client, start a new producer (whose init_transactions aborts the stuck transaction on the
-        broker) and rewind to the batch, in this process: no restart, no rebalance."""
+        client and start a new producer (whose init_transactions aborts the stuck transaction on the
+        broker), in this process: no restart, no rebalance. The caller rewinds."""
         log.warning("transactional producer stuck; replacing it %s", kv(worker_id=self.worker_id, error=exc))
         self.metrics.m.inc("producers_replaced")
         self._in_txn = False
         with self.section("replace producer", self.liveness.outage_s + 60):
             self._new_producer()
-        self._rewind(batch, exc, "producer replaced")
 
-    def _transaction(self, batch, good, bad, outcomes, scored, dead) -> None:
-        """Produce the batch's results, add its offsets and commit, all in one transaction. Every
-        transaction call is bounded (pipeline.kafka.WedgedClient); the watchdog bounds the rest."""
+    def _start_txn(self, batch, good, bad, outcomes) -> None:
+        """Begin the batch's transaction and produce its results; its offsets and commit then run on
+        the commit thread (inline without ``reward.overlap_commit``) until ``_settle``."""
         self.producer.begin_transaction()
+        txn = self._txn = _Txn(batch, [], [], time.perf_counter())
         self._in_txn = True
         try:
             for (m, traj), out in zip(good, outcomes, strict=True):
                 if out.ok:
                     self._produce_scored(m, traj, out)
-                    scored.append((traj["task"], out.reward, out.latency_ms))
+                    txn.scored.append((traj["task"], out.reward, out.latency_ms))
                 else:
                     bad.append((m, out.error_type, out.reason, out.latency_ms))
             for m, error_type, reason, ms in bad:
                 self._produce_dead(m, error_type, reason)
-                dead.append((error_type, ms))
-            self._txn_checkpoint(batch)
-            with self.section("send_offsets_to_transaction", self._txn_call_s):
-                self.producer.send_offsets_to_transaction(  # milliseconds normally; bounded short (+ grace)
-                    next_offsets(batch), self.consumer, min(10.0, self.cfg.kafka.request_timeout_s)
-                )
-            self._commit()
-        except WedgedClient as exc:
-            self._replace_wedged_producer(batch, exc)
-            scored.clear()
-            dead.clear()
+                txn.dead.append((error_type, ms))
+        except Exception as exc:  # e.g. an earlier delivery error, raised on produce: _settle aborts
+            txn.checkpointed.set()
+            txn.future = Future()
+            txn.future.set_exception(exc)
             return
-        except KafkaClientError as exc:
-            if exc.fatal:
-                raise  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
-            self._abort_and_rewind(batch, exc)
-            scored.clear()
-            dead.clear()
-            return
-        self._in_txn = False
+        if self._committer is not None:
+            txn.future = self._committer.submit(self._end_txn, txn, _unwatched)
+        else:
+            txn.future = _run_now(self._end_txn, txn, self.section)
 
-    def _txn_checkpoint(self, batch: list) -> None:
-        log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
-        if self.rc.chaos_delay_in_txn_ms:
-            self.producer.flush(self.cfg.kafka.request_timeout_s)  # the records really are on the broker
-            time.sleep(self.rc.chaos_delay_in_txn_ms / 1000)
-
-    def _commit(self) -> None:
+    def _end_txn(self, txn: _Txn, watch) -> None:
+        """Add the batch's offsets and commit. Every call is bounded by pipeline.kafka.WedgedClient;
+        inline, ``watch`` declares watchdog sections; on the commit thread it is a no-op (sections
+        belong to the main thread, whose wait in ``_settle`` is watched)."""
+        try:
+            with watch("transaction", self.liveness.watchdog_s):
+                self._txn_checkpoint(txn.batch)
+        finally:
+            txn.checkpointed.set()
+        with watch("send_offsets_to_transaction", self._txn_call_s):
+            self.producer.send_offsets_to_transaction(  # milliseconds normally; bounded short (+ grace)
+                next_offsets(txn.batch), self.consumer, min(10.0, self.cfg.kafka.request_timeout_s)
+            )
         for attempt in range(10):
             try:
-                with self.section("commit_transaction", self._txn_call_s):
+                with watch("commit_transaction", self._txn_call_s):
                     self.producer.commit_transaction(self.cfg.kafka.request_timeout_s)
                 return
             except KafkaClientError as exc:
@@ -317,7 +360,54 @@ class RewardWorker(Worker):
                     raise
                 log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
 
-    def _abort_and_rewind(self, batch: list, exc: Exception) -> None:
+    def _settle(self) -> None:
+        """Wait for the transaction in flight to end. Committed: counted. Failed: aborted (or the
+        stuck producer replaced) and its batch marked to be read again (``_rewound``). Fatal: raised."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        with self.section("transaction", self.liveness.watchdog_s):
+            txn.checkpointed.wait(self.rc.chaos_delay_in_txn_ms / 1000 + self._commit_wait_s)
+        with self.section("commit_transaction", self._commit_wait_s):
+            try:
+                exc = txn.future.exception(self._commit_wait_s)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"the commit thread did not end a transaction within {self._commit_wait_s:.0f} s"
+                ) from None
+        if exc is None:
+            self._in_txn = False
+            self.metrics.committed(txn.scored, txn.dead, (time.perf_counter() - txn.t0) * 1000)
+            log.debug(
+                "transaction committed %s", kv(worker_id=self.worker_id, scored=len(txn.scored), dlq=len(txn.dead))
+            )
+            return
+        if isinstance(exc, WedgedClient):
+            self._replace_wedged_producer(exc)
+            why = "producer replaced"
+        elif isinstance(exc, KafkaClientError) and not exc.fatal:
+            self._abort(exc)
+            why = "transaction aborted"
+        else:
+            raise exc  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
+        self._rewind_due = (txn.batch, exc, why)
+
+    def _rewound(self, batch: list) -> bool:
+        """If a transaction failed: read its batch and ``batch`` (read after it) again. True if so."""
+        if self._rewind_due is None:
+            return False
+        failed, exc, why = self._rewind_due
+        self._rewind_due = None
+        self._rewind(failed + batch, exc, why)
+        return True
+
+    def _txn_checkpoint(self, batch: list) -> None:
+        log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
+        if self.rc.chaos_delay_in_txn_ms:
+            self.producer.flush(self.cfg.kafka.request_timeout_s)  # the records really are on the broker
+            time.sleep(self.rc.chaos_delay_in_txn_ms / 1000)
+
+    def _abort(self, exc: Exception) -> None:
         deadline = time.monotonic() + self.liveness.outage_s
         while True:  # a broker outage can make the abort itself fail for a while: ride it out
             try:
@@ -331,7 +421,6 @@ class RewardWorker(Worker):
                 time.sleep(1.0)
         self._in_txn = False
         self.metrics.aborted()
-        self._rewind(batch, exc, "transaction aborted")
 
     def _rewind(self, batch: list, exc: Exception, why: str) -> None:
         """Seek every still-assigned partition of ``batch`` back to its first offset (nothing skipped)."""
@@ -372,6 +461,21 @@ class RewardWorker(Worker):
             "sent to DLQ %s",
             kv(error_type=error_type, partition=m.partition(), offset=m.offset(), reason=reason[:200]),
         )
+
+
+def _run_now(fn, *args) -> Future:
+    """``fn(*args)`` run on this thread, as a finished Future."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as exc:  # handed to _settle, like the commit thread's
+        f.set_exception(exc)
+    return f
+
+
+def _unwatched(what: str, seconds: float):
+    """No watchdog section (the commit thread's stand-in for ``section``)."""
+    return contextlib.nullcontext()
 
 
 def _fmt(partitions) -> str:
