@@ -224,15 +224,24 @@ class RolloutConfig(StrictModel):
     """On a new version: ``drain`` finishes in-flight samples first; ``interrupt`` aborts them, loads,
     and resumes them under the new weights (partial rollouts with version_min < version_max)."""
     stale_restarts: int = Field(0, ge=0, le=100)
-    """``interrupt`` reloads under the sample staleness rule: how many times a single-turn sample
-    that the new version makes certain to be dropped (``version - version_min > k``; the trainer
-    trains at that version or later) is restarted from its prompt under the new weights instead of
-    being finished and then dropped. Its tokens so far are discarded (counted in the
-    ``restarted_samples`` and ``restart_discarded_tokens`` metrics). 0 = never (finish, drop).
-    A sample restarted this many times is finished as before, so a sample longer than k steps
-    cannot loop. Not applied to multi-turn samples or under ``trainer.staleness_rule = "token"``.
-    Off by default: on the sim long-tail bench it restarted 9-11 samples per run and did not lower
-    the stale drops, which come from whole groups (docs/benchmarks.md)."""
+    """How many times a single-turn sample that a new version makes certain to be dropped as stale
+    (the trainer trains at that version or later) is generated again from its prompt under the new
+    weights instead of being finished or published and then dropped; which samples:
+    ``restart_scope``. In flight, under ``interrupt`` reloads and the sample rule
+    (``version - version_min > k``), its tokens so far are discarded (``restarted_samples``,
+    ``restart_discarded_tokens``). 0 = never. A sample restarted this many times is finished as
+    before, so a sample longer than k steps cannot loop. Never applied to multi-turn samples.
+    Off by default; measured on the sim long-tail bench in docs/benchmarks.md."""
+    restart_scope: Literal["all", "finished", "in_flight"] = "all"
+    """Which samples ``stale_restarts`` restarts. ``in_flight``: the samples an ``interrupt`` reload
+    catches (above). ``finished`` (any reload policy, either staleness rule): a prompt message's
+    finished single-turn samples are held until its last sample finishes (the trainer trains a
+    group only once it is complete, so this delays nothing), and a held sample that a weight load
+    makes certain to be dropped (sample rule: ``version - version_min > k``; token rule: every token
+    too old, ``version - version_max > k``) is generated again from its prompt, counted in
+    ``regenerated_samples`` and ``regenerate_discarded_tokens``. Those are the short samples of a
+    group whose long sample is still generating, where most stale waste comes from
+    (docs/benchmarks.md). ``all``: both."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

@@ -45,6 +45,7 @@ from pipeline.worker import Worker
 from producers.chat import render, uses_template
 from producers.engines import EngineContext, GenOutput, build_engine
 from producers.envs import EnvContext, env_factory
+from producers.holding import SampleHold
 from producers.ledger import OffsetLedger
 from producers.sample import Sample
 from producers.weights import WeightSync
@@ -79,10 +80,15 @@ class RolloutWorker(Worker):
         """Admitted samples kept beyond the free slots (look-ahead)."""
         self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.feed.replicate)))
         """Samples per prompt message (smoothed): how many messages fit the free slots."""
+        scope = self.rc.restart_scope
         self._restart_stale = (
             self.rc.reload_policy == "interrupt"
+            and scope in ("all", "in_flight")
             and cfg.trainer.staleness_rule == "sample"  # the token rule trains a late sample's fresh tokens
         )
+        self.hold = SampleHold() if self.rc.stale_restarts and scope in ("all", "finished") else None
+        """Finished samples held until their message's last one finishes (``rollout.restart_scope``)."""
+        self._token_rule = cfg.trainer.staleness_rule == "token"
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -171,6 +177,8 @@ class RolloutWorker(Worker):
         self._commit()
         self.metrics.set("inflight", len(self.running) + len(self.env_steps))
         self.metrics.set("ready", len(self.ready))
+        if self.hold is not None:
+            self.metrics.set("held_samples", self.hold.held())
         self.metrics.set("held_messages", sum(len(q) for q in self.held.values()))
         self.metrics.maybe_publish()
 
@@ -257,6 +265,8 @@ class RolloutWorker(Worker):
         budget = min(prompt["max_new_tokens"] or self.rc.max_new_tokens, self.max_len - len(toks))
         task = prompt["task"]
         env_cls = self.envs.get(task)
+        if self.hold is not None:
+            self.hold.admit((tp, offset, gen), prompt["sample_count"])
         for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"]):
             s = Sample(prompt, i, toks, budget, tp, offset, gen=gen)
             if env_cls is not None:
@@ -338,6 +348,11 @@ class RolloutWorker(Worker):
                 self._publish(s)
 
     def _publish(self, s: Sample) -> None:
+        """``s`` has finished: produce it, or hold it until its message's last sample finishes."""
+        for done in self.hold.finished(s) if self.hold is not None else (s,):
+            self._produce(done)
+
+    def _produce(self, s: Sample) -> None:
         rec = s.trajectory(self.tokenizer, self.worker_id, self.engine.name, self.engine.version)
         self.producer.produce_record(
             self.topics["rollouts"],
@@ -383,17 +398,33 @@ class RolloutWorker(Worker):
         if self.running or self.engine.inflight():
             return  # drain: wait for the engine to empty
         self._load()
+        self._restart_finished()
         self._release_held()
 
-    def _doomed(self, s: Sample, version: int) -> bool:
-        """True if ``s`` should restart: the trainer, at ``version`` or later, is certain to drop it
-        (sample rule), it is single-turn, and it has restarts left (``rollout.stale_restarts``)."""
+    def _restart_finished(self) -> None:
+        """Restart the held finished samples that the version just loaded makes certain to be
+        dropped as stale; they go first in the queue, since their message waits for them."""
+        if self.hold is None:
+            return
+        version = self.engine.version
+        for s in self.hold.take(lambda s: self._doomed(s, version, finished=True)):
+            self.metrics.inc("regenerated_samples")
+            self.metrics.inc("regenerate_discarded_tokens", s.restart())
+            self.ready.appendleft(s)
+
+    def _doomed(self, s: Sample, version: int, finished: bool = False) -> bool:
+        """True if ``s`` should restart: the trainer, at ``version`` or later, is certain to drop it,
+        it is single-turn, and it has restarts left (``rollout.stale_restarts``). In flight (sample
+        rule, ``interrupt``): by ``version_min``. Finished and held: by its newest token under the
+        token rule, else by ``version_min``."""
+        enabled = self.hold is not None if finished else self._restart_stale
+        oldest_kept = s.version_max if finished and self._token_rule else s.version_min
         return (
-            self._restart_stale
+            enabled
             and s.env is None
             and s.restarts < self.rc.stale_restarts
-            and s.version_min is not None
-            and is_stale(version, s.version_min, self.k)
+            and oldest_kept is not None
+            and is_stale(version, oldest_kept, self.k)
         )
 
     def _load(self) -> None:

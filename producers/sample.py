@@ -101,13 +101,14 @@ class Sample:
         self.turn_tokens += len(out.tokens)
 
     def restart(self) -> int:
-        """Discard the (single-turn) response so far: the next request generates it again from the
-        prompt. Returns the number of tokens discarded."""
+        """Discard the (single-turn) response so far, finished or not: the sample starts again from
+        its prompt (``start`` then takes a new start time). Returns the number of tokens discarded."""
         if self.env is not None:
             raise ValueError("a multi-turn sample cannot restart: its environment has moved on")
         dropped = len(self.tokens)
         self.tokens, self.logprobs, self.mask, self.version_marks = [], [], [], []
-        self.turn_tokens = 0
+        self.turns = self.turn_tokens = self.started_ms = 0
+        self.finish = None
         self.version_min = self.version_max = None
         self.restarts += 1
         return dropped

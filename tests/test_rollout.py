@@ -150,14 +150,18 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
         assert sum(lps[:switch]) < -switch  # random-init model: about -log(V) per token
 
 
-def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config):
+@pytest.mark.parametrize("finished", [True, False], ids=["all", "in_flight"])
+def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, finished):
     """k = 0: once v1 loads, every sample begun under v0 would be dropped by the trainer, so a
     sample still in flight is generated again from its prompt under v1 (rollout.stale_restarts)
-    instead of resumed (the random model may end some samples with EOS before the load)."""
+    instead of resumed. The random model may end some samples with EOS before the load: with
+    rollout.restart_scope = "all" those are held (their group is not done) and generated again too,
+    so the whole group comes out under v1; with "in_flight" they are published under v0."""
     cfg = make_config(
         f"feed.source={DATA}", "feed.limit=1", "rl.group_size=3", "rl.max_staleness=0",
         "model.type=tiny", "model.max_position_embeddings=1024", "rollout.max_new_tokens=1000",
         "rollout.reload_policy=interrupt", "rollout.metrics_interval_s=0.3", "rollout.stale_restarts=1",
+        f"rollout.restart_scope={'all' if finished else 'in_flight'}",
     )  # fmt: skip
     feed.run(cfg)
     z = z_token(cfg)
@@ -174,7 +178,7 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config):
     producer.close()
     got = wait_for(lambda: (t := trajectories(cfg, 3, 0)) and len(t) >= 3 and t, timeout=120, worker=w)
     w.join()
-    assert w.worker.stats["loads"] == 1
+    assert w.worker.stats["loads"] == 1 and len(got) == 3
     restarted = [t for t in got if t["version_min"] == 1]
     assert restarted, "no sample was in flight at the load"
     assert all(t["version_max"] == t["version_min"] for t in got)  # none resumed across versions
@@ -182,8 +186,13 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config):
         toks = list(codec.unpack_i32(t["response_tokens"]))
         assert t["metadata"]["versions"] == "0@1" and set(toks) == {z} and len(toks) == 1000
     last = [r["metrics"] for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "rollout"][-1]
-    assert last["restarted_samples"] == len(restarted)
-    assert last["restart_discarded_tokens"] >= 20 * len(restarted)
+    again = last["restarted_samples"] + last.get("regenerated_samples", 0)
+    assert again == len(restarted)
+    assert last["restart_discarded_tokens"] >= 20 * last["restarted_samples"]
+    if finished:
+        assert len(restarted) == 3  # the samples that had ended under v0 were generated again
+    else:
+        assert "regenerated_samples" not in last
 
 
 def test_k0_admits_no_group_before_its_version_is_loaded(make_config):

@@ -269,7 +269,10 @@ def _checkpoint_seconds(cfg, t0: float, t1: float) -> tuple[float | None, list[f
     return (total if seen else None), publish
 
 
-def rollout_totals(cfg, names: tuple[str, ...] = ("restarted_samples", "restart_discarded_tokens")) -> dict:
+ROLLOUT_TOTALS = ("restarted_samples", "restart_discarded_tokens", "regenerated_samples", "regenerate_discarded_tokens")
+
+
+def rollout_totals(cfg, names: tuple[str, ...] = ROLLOUT_TOTALS) -> dict:
     """The rollout workers' final cumulative counters (summed over workers), from rl.metrics."""
     last: dict[str, dict] = {}
     for ev in metric_events(cfg):
@@ -323,7 +326,7 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
         row["kafka_share"] = kafka_share(row)
     log_line(
         ctx, name, status=res.status, samples_per_s=row.get("samples_per_s"), stale=row.get("stale_dropped"),
-        restarted=row.get("restarted_samples"),
+        restarted=row.get("restarted_samples"), regenerated=row.get("regenerated_samples"),
         tokens_masked=row.get("tokens_masked"), partial_rollouts=row.get("partial_rollouts"),
         achieved_over_ideal=row.get("achieved_over_ideal"), wall_s=res.wall_s,
     )  # fmt: skip
@@ -395,22 +398,33 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
 
 def table(result: dict) -> str:
     headers = ["engine", "workload", "k", "rule", "samples/s", "tokens/s", "trainer idle", "rollout idle",
-               "stale dropped", "stale tokens", "restarted (tokens discarded)", "tokens masked",
-               "partial rollouts", "speedup vs k=0", "achieved/ideal"]  # fmt: skip
+               "stale dropped", "stale tokens", "restarted (tokens discarded)", "regenerated (tokens discarded)",
+               "tokens thrown away", "tokens masked", "partial rollouts", "speedup vs k=0", "achieved/ideal"]  # fmt: skip
     rows = [
         [r["engine"], r["workload"], r["k"], r.get("rule", "sample"), r.get("samples_per_s"), r.get("tokens_per_s"),
          r.get("trainer_idle_fraction"), r.get("rollout_idle_fraction"), r.get("stale_dropped"),
-         r.get("stale_dropped_tokens"), _restarts(r), r.get("tokens_masked"), r.get("partial_rollouts"),
+         r.get("stale_dropped_tokens"), _restarts(r, "restarted_samples", "restart_discarded_tokens"),
+         _restarts(r, "regenerated_samples", "regenerate_discarded_tokens"), _thrown_away(r), r.get("tokens_masked"),
+         r.get("partial_rollouts"),
          r.get("speedup_over_k0"), r.get("achieved_over_ideal")]
         for r in result["runs"]
     ]  # fmt: skip
     return md_table(headers, rows)
 
 
-def _restarts(r: dict) -> str | None:
-    if r.get("restarted_samples") is None:
+def _restarts(r: dict, samples: str, tokens: str) -> str | None:
+    if r.get(samples) is None:
         return None
-    return f"{r['restarted_samples']} ({r.get('restart_discarded_tokens', 0)})"
+    return f"{r[samples]} ({r.get(tokens, 0)})"
+
+
+def _thrown_away(r: dict) -> int | None:
+    """Generated tokens no step trained: stale-dropped samples', those the token rule masked, and
+    those discarded by restarts."""
+    if r.get("stale_dropped_tokens") is None:
+        return None
+    parts = ("stale_dropped_tokens", "tokens_masked", "restart_discarded_tokens", "regenerate_discarded_tokens")
+    return sum(r.get(n) or 0 for n in parts)
 
 
 def plot(out: Path, rows: list[dict]) -> list[Path]:
