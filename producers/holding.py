@@ -1,4 +1,5 @@
-"""Finished samples held back until the last sample of their prompt message finishes
+"""Stale restarts: which samples a weight load makes certain to be dropped (``StaleRestarts``),
+and finished samples held back until the last sample of their prompt message finishes
 (``rollout.restart_scope``), so that a weight load which makes a held sample certain to be
 dropped as stale can generate it again instead.
 
@@ -11,6 +12,9 @@ ledger (``ledger.py``), which counts broker acknowledgements.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.control import is_stale
 
 Key = tuple[tuple[str, int], int, int]
 """(partition, offset, ledger generation): one admitted prompt message."""
@@ -62,3 +66,38 @@ class SampleHold:
 
     def held(self) -> int:
         return sum(len(v) for v in self._done.values())
+
+
+@dataclass(frozen=True)
+class StaleRestarts:
+    """The restart policy (``rollout.stale_restarts``, ``rollout.restart_scope``): which samples go
+    back to the queue because the trainer, at the version just loaded or later, is certain to drop
+    them as stale. Single-turn samples only, each at most ``limit`` times."""
+
+    limit: int
+    k: int
+    token_rule: bool
+    in_flight: bool
+    """Restart samples interrupted by a load (``interrupt`` policy, sample rule: the token rule
+    trains a late sample's fresh tokens)."""
+    finished: bool
+    """Hold finished samples and regenerate those a load dooms."""
+
+    @classmethod
+    def of(cls, rc, staleness_rule: str, k: int) -> StaleRestarts:
+        scope, token_rule = rc.restart_scope, staleness_rule == "token"
+        in_flight = rc.reload_policy == "interrupt" and scope in ("all", "in_flight") and not token_rule
+        finished = bool(rc.stale_restarts) and scope in ("all", "finished")
+        return cls(rc.stale_restarts, k, token_rule, in_flight, finished)
+
+    def doomed(self, s, version: int, finished: bool = False) -> bool:
+        """In flight: stale by ``version_min``. Finished and held: by its newest token under the
+        token rule, else by ``version_min``."""
+        oldest_kept = s.version_max if finished and self.token_rule else s.version_min
+        return (
+            (self.finished if finished else self.in_flight)
+            and s.env is None
+            and s.restarts < self.limit
+            and oldest_kept is not None
+            and is_stale(version, oldest_kept, self.k)
+        )

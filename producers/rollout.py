@@ -35,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pipeline.control import is_stale, now_ms
+from pipeline.control import now_ms
 from pipeline.errors import ConsumeError, DecodeError
 from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
 from pipeline.log import kv
@@ -45,7 +45,7 @@ from pipeline.worker import Worker
 from producers.chat import render, uses_template
 from producers.engines import EngineContext, GenOutput, build_engine
 from producers.envs import EnvContext, env_factory
-from producers.holding import SampleHold
+from producers.holding import SampleHold, StaleRestarts
 from producers.ledger import OffsetLedger
 from producers.sample import Sample
 from producers.weights import WeightSync
@@ -80,15 +80,9 @@ class RolloutWorker(Worker):
         """Admitted samples kept beyond the free slots (look-ahead)."""
         self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.feed.replicate)))
         """Samples per prompt message (smoothed): how many messages fit the free slots."""
-        scope = self.rc.restart_scope
-        self._restart_stale = (
-            self.rc.reload_policy == "interrupt"
-            and scope in ("all", "in_flight")
-            and cfg.trainer.staleness_rule == "sample"  # the token rule trains a late sample's fresh tokens
-        )
-        self.hold = SampleHold() if self.rc.stale_restarts and scope in ("all", "finished") else None
+        self.restarts = StaleRestarts.of(self.rc, cfg.trainer.staleness_rule, self.k)
+        self.hold = SampleHold() if self.restarts.finished else None
         """Finished samples held until their message's last one finishes (``rollout.restart_scope``)."""
-        self._token_rule = cfg.trainer.staleness_rule == "token"
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -389,7 +383,7 @@ class RolloutWorker(Worker):
                     continue
                 self.running.pop(out.rid)
                 s.add_output(out, self.engine.version)
-                if self._doomed(s, self.weights.loadable[0]["version"]):
+                if self.restarts.doomed(s, self.weights.loadable[0]["version"]):
                     self.metrics.inc("restarted_samples")
                     self.metrics.inc("restart_discarded_tokens", s.restart())
                 self.ready.appendleft(s)  # resumed by the next _start_samples, under the new weights
@@ -407,25 +401,10 @@ class RolloutWorker(Worker):
         if self.hold is None:
             return
         version = self.engine.version
-        for s in self.hold.take(lambda s: self._doomed(s, version, finished=True)):
+        for s in self.hold.take(lambda s: self.restarts.doomed(s, version, finished=True)):
             self.metrics.inc("regenerated_samples")
             self.metrics.inc("regenerate_discarded_tokens", s.restart())
             self.ready.appendleft(s)
-
-    def _doomed(self, s: Sample, version: int, finished: bool = False) -> bool:
-        """True if ``s`` should restart: the trainer, at ``version`` or later, is certain to drop it,
-        it is single-turn, and it has restarts left (``rollout.stale_restarts``). In flight (sample
-        rule, ``interrupt``): by ``version_min``. Finished and held: by its newest token under the
-        token rule, else by ``version_min``."""
-        enabled = self.hold is not None if finished else self._restart_stale
-        oldest_kept = s.version_max if finished and self._token_rule else s.version_min
-        return (
-            enabled
-            and s.env is None
-            and s.restarts < self.rc.stale_restarts
-            and oldest_kept is not None
-            and is_stale(version, oldest_kept, self.k)
-        )
 
     def _load(self) -> None:
         with self.section("weight load"):

@@ -1,11 +1,14 @@
-"""``producers.holding.SampleHold``: a message's finished samples come out together when its last
-one finishes; samples taken back to run again are waited for like unfinished ones."""
+"""``producers.holding``: a message's finished samples come out together when its last one
+finishes; samples taken back to run again are waited for like unfinished ones; ``StaleRestarts``
+restarts exactly the samples the trainer is certain to drop, by the rule and scope configured."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from producers.holding import SampleHold
+import pytest
+
+from producers.holding import SampleHold, StaleRestarts
 
 
 def sample(offset: int, index: int, stale: bool = False):
@@ -36,3 +39,36 @@ def test_samples_taken_back_are_waited_for():
     assert hold.finished(e) == []  # message 2 waits for d
     assert hold.finished(d) == [e, d]
     assert hold.take(lambda s: True) == [] and hold.held() == 0
+
+
+def rc(scope="all", restarts=1, policy="interrupt"):
+    return SimpleNamespace(restart_scope=scope, stale_restarts=restarts, reload_policy=policy)
+
+
+def gen(version_min, version_max, restarts=0, env=None):
+    return SimpleNamespace(version_min=version_min, version_max=version_max, restarts=restarts, env=env)
+
+
+@pytest.mark.parametrize(
+    "scope,in_flight,finished", [("all", True, True), ("in_flight", True, False), ("finished", False, True)]
+)
+def test_the_scope_picks_what_restarts(scope, in_flight, finished):
+    p = StaleRestarts.of(rc(scope), "sample", k=2)
+    assert (p.in_flight, p.finished) == (in_flight, finished)
+    late = gen(0, 2)  # started under v0: stale for the sample rule once v3 is loaded (3 - 0 > 2)
+    assert p.doomed(late, 3) is in_flight and p.doomed(late, 3, finished=True) is finished
+    assert not p.doomed(late, 2) and not p.doomed(late, 2, finished=True)  # still inside the bound
+
+
+def test_limits_rules_and_environments():
+    sample_rule, token_rule = StaleRestarts.of(rc(), "sample", 1), StaleRestarts.of(rc(), "token", 1)
+    assert not token_rule.in_flight  # the token rule trains a late sample's fresh tokens
+    s = gen(0, 2)
+    assert sample_rule.doomed(s, 2, finished=True)  # by its oldest token
+    assert not token_rule.doomed(s, 3, finished=True) and token_rule.doomed(s, 4, finished=True)  # by its newest
+    assert not sample_rule.doomed(gen(0, 2, restarts=1), 5, finished=True)  # restarts used up
+    assert not sample_rule.doomed(gen(0, 2, env="math"), 5, finished=True)  # multi-turn: never
+    assert not sample_rule.doomed(gen(None, None), 5, finished=True)  # nothing generated yet
+    off = StaleRestarts.of(rc(restarts=0), "sample", 1)
+    assert not off.finished and not off.doomed(s, 5)  # stale_restarts=0: no restarts at all
+    assert not StaleRestarts.of(rc(policy="drain"), "sample", 1).in_flight
