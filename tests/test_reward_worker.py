@@ -146,11 +146,11 @@ class AbortOnce(RewardWorker):
 
     fails = 1
 
-    def _commit(self):
+    def _commit(self, watch):
         if self.fails:
             self.fails -= 1
             raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
-        super()._commit()
+        super()._commit(watch)
 
 
 def test_aborted_transaction_is_rewound_and_retried(make_config):
@@ -183,11 +183,11 @@ class FailSecondCommit(RewardWorker):
         self.batches.append([m.offset() for m in batch])
         super()._process(batch)
 
-    def _end_txn(self, txn):
+    def _end_txn(self, txn, watch):
         self.committing = len(self.batches) - 1 - self.batches[::-1].index([m.offset() for m in txn.batch])
-        super()._end_txn(txn)
+        super()._end_txn(txn, watch)
 
-    def _commit(self):
+    def _commit(self, watch):
         self.commits += 1
         if self.commits == 2:
             if self.rc.overlap_commit:
@@ -195,7 +195,7 @@ class FailSecondCommit(RewardWorker):
                 assert wait_for(lambda: len(self.batches) > nxt, 60), "no batch was read during the commit"
                 self.meanwhile = nxt
             raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
-        super()._commit()
+        super()._commit(watch)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -349,6 +349,9 @@ class RewardWorker(Worker):
             self.producer.send_offsets_to_transaction(  # milliseconds normally; bounded short (+ grace)
                 next_offsets(txn.batch), self.consumer, min(10.0, self.cfg.kafka.request_timeout_s)
             )
+        self._commit(watch)
+
+    def _commit(self, watch) -> None:
         for attempt in range(10):
             try:
                 with watch("commit_transaction", self._txn_call_s):
