@@ -221,6 +221,27 @@ def test_a_failed_commit_rewinds_its_batch_and_the_batch_read_meanwhile(make_con
         assert w.batches[w.meanwhile] and set(w.batches[w.meanwhile]) <= later
 
 
+class CrashInCommit(RewardWorker):
+    """A bug on the commit path, before the transaction's checkpoint."""
+
+    def _end_txn(self, txn, watch):
+        raise RuntimeError("bug in the commit path")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_crash_in_the_commit_path_ends_the_worker_at_once(make_config, overlap):
+    """Not a Kafka error: the worker re-raises it on its main thread (exit non-zero) instead of
+    waiting out the commit bound for a checkpoint that never comes."""
+    cfg = make_config(
+        "topics.rollouts.partitions=1", "reward.executor=thread", f"reward.overlap_commit={str(overlap).lower()}"
+    )
+    produce(cfg, [(b"g", codec.encode("Trajectory", traj(0, "abc", "g")))])
+    w = CrashInCommit(cfg)
+    with pytest.raises(RuntimeError, match="bug in the commit path"):
+        with running(w) as errors:
+            assert wait_for(lambda: errors, 120), "the worker did not fail"  # running() re-raises it
+
+
 def test_zombie_is_fenced_by_a_worker_with_the_same_id(make_config):
     cfg = make_config(
         "topics.rollouts.partitions=1", "reward.executor=thread", "reward.worker_id=same", "reward.max_batch_ms=50"

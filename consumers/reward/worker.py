@@ -335,6 +335,7 @@ class RewardWorker(Worker):
             txn.future = self._committer.submit(self._end_txn, txn, _unwatched)
         else:
             txn.future = _run_now(self._end_txn, txn, self.section)
+        txn.future.add_done_callback(lambda _: txn.checkpointed.set())  # also if it failed before it
 
     def _end_txn(self, txn: _Txn, watch) -> None:
         """Add the batch's offsets and commit. Every call is bounded by pipeline.kafka.WedgedClient;
