@@ -343,6 +343,7 @@ class RolloutWorker(Worker):
 
     def _publish(self, s: Sample) -> None:
         """``s`` has finished: produce it, or hold it until its message's last sample finishes."""
+        s.finished_ms = now_ms()  # generation ended (a held sample is produced later)
         for done in self.hold.finished(s) if self.hold is not None else (s,):
             self._produce(done)
 

@@ -107,7 +107,7 @@ class Sample:
             raise ValueError("a multi-turn sample cannot restart: its environment has moved on")
         dropped = len(self.tokens)
         self.tokens, self.logprobs, self.mask, self.version_marks = [], [], [], []
-        self.turns = self.turn_tokens = self.started_ms = 0
+        self.turns = self.turn_tokens = self.started_ms = self.finished_ms = 0
         self.finish = None
         self.version_min = self.version_max = None
         self.restarts += 1
@@ -143,7 +143,7 @@ class Sample:
         return self.finish is None
 
     def trajectory(self, tokenizer, worker_id: str, engine: str, version: int) -> dict:
-        self.finished_ms = now_ms()
+        self.finished_ms = self.finished_ms or now_ms()
         p = self.prompt
         meta = {}
         if self.version_marks:

@@ -5,6 +5,7 @@ calls the role's ``run(config)``. Typed rlstream errors print one clear line and
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -63,6 +64,16 @@ def run_cli() -> None:
     except RlstreamError as exc:
         console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
         sys.exit(2)
+
+
+def _sigterm_unwinds() -> None:
+    """SIGTERM raises KeyboardInterrupt, so the command's ``finally`` blocks stop what it started
+    (its roles, its temporary broker) instead of dying and orphaning them."""
+
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 # ---- broker ---------------------------------------------------------------------------------
@@ -371,6 +382,7 @@ def chaos(
         raise typer.BadParameter("--size must be tiny or full")
     from rlstream.chaos import ChaosOptions, run
 
+    _sigterm_unwinds()
     opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
                         broker_restarts, joins, fuzz, drain, keep_data=keep_data)  # fmt: skip
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
@@ -422,6 +434,7 @@ def bench(
         raise typer.BadParameter(f"unknown benchmark(s) {unknown}" if unknown else "--size must be tiny or full")
     from rlstream.bench.main import run
 
+    _sigterm_unwinds()
     path, sets = sources(config, set_)
     cfg = load(config, set_, resolve=False)
     run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print)

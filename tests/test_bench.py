@@ -106,3 +106,38 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
     for png in (docs.parent / "img" / "bench").iterdir():
         assert png.suffix == ".png" and f"img/bench/{png.name}" in text
     assert "async vs sync" in proc.stderr + proc.stdout
+
+
+def test_sigterm_stops_the_bench_roles_and_its_own_broker(cli_env, tmp_path):
+    """A bench without --bootstrap starts a temporary broker; SIGTERM must stop it and the roles
+    (they were orphaned before: Python died on the signal without running its cleanup)."""
+    import re
+    import signal
+    import subprocess
+    import time
+
+    from pipeline.ports import pid_alive
+    from tests.conftest import rlstream_cmd
+
+    args = [*rlstream_cmd(), "bench", "async", "--size", "full", "--engine", "sim", "--out", str(tmp_path / "b")]
+    log = tmp_path / "bench.log"
+    env = {k: v for k, v in cli_env.items() if k != "RLSTREAM_KAFKA__BOOTSTRAP_SERVERS"}  # its own broker
+    proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"broker running: pid (\d+)", log.read_text())) and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert m, "the bench never started its broker"
+        broker = int(m.group(1))
+        time.sleep(5)  # into the first run: roles started
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60
+    while pid_alive(broker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not pid_alive(broker), "the bench's broker outlived it"
+    assert "broker stopped" in log.read_text()

@@ -52,7 +52,18 @@ def wait_for(pred, timeout=60.0, what="condition", worker=None):
         if v:
             return v
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+    message = f"timed out waiting for {what() if callable(what) else what}"
+    if worker is not None:  # a failed test does not leave its worker running
+        worker.stop.set()
+    raise AssertionError(message)
+
+
+def engine_state(w) -> str:
+    """The rollout worker's generation state, for a failure message."""
+    ww, eng = w.worker, w.worker.engine
+    rows = [len(r.tokens) for r in eng.rows] if eng is not None else None
+    return (f"engine rows (tokens) {rows}, running {len(ww.running)}, ready {len(ww.ready)}, "
+            f"stats {ww.stats}, held {ww.hold.held() if ww.hold else None}")  # fmt: skip
 
 
 def trajectories(cfg, n=0, timeout=60):
@@ -128,7 +139,7 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
     wait_for(
         lambda: rows() and min(len(r.tokens) for r in rows()) >= 20,
         timeout=240,
-        what="generation under way",
+        what=lambda: f"generation under way: {engine_state(w)}",
         worker=w,
     )
     publish_version(cfg, 1, forcing, producer)
@@ -174,12 +185,12 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, fin
     def rows():
         return w.worker.engine.rows if w.worker.engine is not None else []
 
-    def state():  # for the failure message
-        ww = w.worker
-        return (f"generation: rows {[len(r.tokens) for r in rows()]}, running {len(ww.running)}, "
-                f"ready {len(ww.ready)}, stats {ww.stats}, held {ww.hold.held() if ww.hold else None}")  # fmt: skip
-
-    wait_for(lambda: rows() and min(len(r.tokens) for r in rows()) >= begun, timeout=240, what=state, worker=w)
+    wait_for(
+        lambda: rows() and min(len(r.tokens) for r in rows()) >= begun,
+        timeout=240,
+        what=lambda: engine_state(w),
+        worker=w,
+    )
     publish_version(cfg, 1, forcing, producer)
     producer.close()
     got = wait_for(lambda: (t := trajectories(cfg, n, 0)) and len(t) >= n and t, timeout=120, worker=w)
