@@ -122,7 +122,8 @@ def test_sigterm_stops_the_bench_roles_and_its_own_broker(cli_env, tmp_path):
     args = [*rlstream_cmd(), "bench", "async", "--size", "full", "--engine", "sim", "--out", str(tmp_path / "b")]
     log = tmp_path / "bench.log"
     env = {k: v for k, v in cli_env.items() if k != "RLSTREAM_KAFKA__BOOTSTRAP_SERVERS"}  # its own broker
-    proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not (m := re.search(r"broker running: pid (\d+)", log.read_text())) and time.monotonic() < deadline:

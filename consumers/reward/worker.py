@@ -327,14 +327,13 @@ class RewardWorker(Worker):
                 self._produce_dead(m, error_type, reason)
                 txn.dead.append((error_type, ms))
         except Exception as exc:  # e.g. an earlier delivery error, raised on produce: _settle aborts
-            txn.checkpointed.set()
             txn.future = Future()
             txn.future.set_exception(exc)
-            return
-        if self._committer is not None:
-            txn.future = self._committer.submit(self._end_txn, txn, _unwatched)
         else:
-            txn.future = _run_now(self._end_txn, txn, self.section)
+            if self._committer is not None:
+                txn.future = self._committer.submit(self._end_txn, txn, _unwatched)
+            else:
+                txn.future = _run_now(self._end_txn, txn, self.section)
         txn.future.add_done_callback(lambda _: txn.checkpointed.set())  # also if it failed before it
 
     def _end_txn(self, txn: _Txn, watch) -> None:
