@@ -207,6 +207,14 @@ class RolloutConfig(StrictModel):
     a slot that frees starts the next sample at once instead of waiting for a fetch from the
     broker (measured on the sim bench, uniform k = 1: 32 samples/s with 0, see docs/benchmarks.md).
     0 takes only what can start now; a larger look-ahead holds work other workers could do."""
+    queue_samples: int | None = Field(None, ge=1, le=10_000_000)
+    """Samples of consumed, not yet admitted prompt messages the worker keeps in memory (None =
+    ``16 * max_inflight``), shared evenly by its partitions; a partition whose share is full is
+    paused (a partition with nothing queued always takes a message, so inadmissible groups queued
+    from one partition never keep another partition's admissible ones out). Pausing is the exception, not the flow control: librdkafka drops a paused partition's
+    fetched messages and a resume waits for a new fetch, which left 13-18% of the decode slots idle
+    on the sim bench when the worker paused whenever its look-ahead was full (docs/benchmarks.md).
+    Queued messages are not admitted: a revoked partition's queue goes to its next owner."""
     max_new_tokens: int = Field(64, ge=1, le=1_000_000)
     """Default response budget per sample (a prompt may lower or raise it); multi-turn: whole episode."""
     max_prompt_tokens: int = Field(1024, ge=1, le=10_000_000)
@@ -239,9 +247,10 @@ class RolloutConfig(StrictModel):
     group only once it is complete, so this delays nothing), and a held sample that a weight load
     makes certain to be dropped (sample rule: ``version - version_min > k``; token rule: every token
     too old, ``version - version_max > k``) is generated again from its prompt, counted in
-    ``regenerated_samples`` and ``regenerate_discarded_tokens``. Those are the short samples of a
-    group whose long sample is still generating, where most stale waste comes from
-    (docs/benchmarks.md). ``all``: both."""
+    ``regenerated_samples`` and ``regenerate_discarded_tokens``; so is one the trainer will likely
+    drop (at the loaded version + 1) when the message's last sample finishes and will itself train.
+    Those are the short samples of a group whose long sample is still generating, where most stale
+    waste comes from (docs/benchmarks.md). ``all``: both."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

@@ -47,6 +47,13 @@ class SampleHold:
         del self._left[k]
         return [*self._done.pop(k, []), s]
 
+    def reopen(self, s, done: list, left: int) -> None:
+        """The message of ``s`` (all of it just handed back by ``finished``) waits again: ``done``
+        stays held and ``left`` samples run again."""
+        k = self.key(s)
+        self._left[k] = left
+        self._done[k] = list(done)
+
     def take(self, pred: Callable[[object], bool]) -> list:
         """Remove the held samples matching ``pred`` (the caller runs them again): their messages
         wait for them as for any unfinished sample."""
@@ -90,14 +97,13 @@ class StaleRestarts:
         finished = bool(rc.stale_restarts) and scope in ("all", "finished")
         return cls(rc.stale_restarts, k, token_rule, in_flight, finished)
 
-    def doomed(self, s, version: int, finished: bool = False) -> bool:
-        """In flight: stale by ``version_min``. Finished and held: by its newest token under the
-        token rule, else by ``version_min``."""
+    def stale(self, s, version: int, finished: bool = False) -> bool:
+        """``s`` would be dropped at trainer ``version``. In flight: by ``version_min``. Finished:
+        by its newest token under the token rule, else by ``version_min``."""
         oldest_kept = s.version_max if finished and self.token_rule else s.version_min
-        return (
-            (self.finished if finished else self.in_flight)
-            and s.env is None
-            and s.restarts < self.limit
-            and oldest_kept is not None
-            and is_stale(version, oldest_kept, self.k)
-        )
+        return oldest_kept is not None and is_stale(version, oldest_kept, self.k)
+
+    def doomed(self, s, version: int, finished: bool = False) -> bool:
+        """``s`` is stale at ``version`` and may be generated again."""
+        enabled = self.finished if finished else self.in_flight
+        return enabled and s.env is None and s.restarts < self.limit and self.stale(s, version, finished)

@@ -3,22 +3,24 @@ sample it is given with its engine and publishes each one to rl.rollouts, keyed 
 
 Queue scheduling: each sample is its own engine request. The worker keeps at most
 ``max_inflight`` samples in flight (in the engine or waiting on an environment step); as soon as
-one finishes it is produced and the next sample is started. It consumes prompts only while it has
-room (partitions are paused otherwise, so the group's other workers get them).
+one finishes it is produced and the next sample is started. Consumed prompt messages wait in a
+per-partition queue (``rollout.queue_samples``) and are admitted, oldest group first, as slots and
+the look-ahead (``rollout.prefetch_samples``) free; a partition is paused only when its share of the
+queue is full, since a pause drops librdkafka's fetched messages and a resume waits for a fetch.
 
 Commit protocol (``producers.ledger``): a prompt offset is committed only after every trajectory
 of that message (or its dead letter) has been acknowledged by the broker, in offset order per
 partition. On a cooperative rebalance the worker finishes the admitted messages of the revoked
-partitions, flushes and commits them before giving them up; held (unadmitted) ones are left to
-the next owner. A crash (kill -9) loses nothing: uncommitted prompts are generated again by the
+partitions, flushes and commits them before giving them up; queued (unadmitted) ones are left
+to the next owner. A crash (kill -9) loses nothing: uncommitted prompts are generated again by the
 next owner, so rl.rollouts is at-least-once and ``trajectory_id`` is the deduplication key. A
 partition that is re-delivered from an earlier offset (a rewind after a rebalance) starts a new
 ledger generation: what was in flight for it still gets published, nothing of it is committed.
 
 Admission (``pipeline.control.may_admit``): a group starts only if ``group_seq < C(v) + (k + 1) * G``
 at the loaded version v, where C(v) is the number of groups the trainer had consumed when it
-published v (``v * G`` unless groups were filtered); otherwise its message is held and its partition paused until a newer
-WeightUpdate is loaded. Weight reload (``producers.weights``): rl.control is followed; a new
+published v (``v * G`` unless groups were filtered); otherwise its message stays queued, and so
+do the ones behind it on its partition, until a newer WeightUpdate is loaded. Weight reload (``producers.weights``): rl.control is followed; a new
 checkpoint is fetched and verified in a background thread, then loaded at a safe point: ``drain``
 stops starting turns until the engine is empty, ``interrupt`` aborts in-flight requests and
 resumes them under the new weights. Loaded version and latencies go to rl.metrics.
@@ -69,7 +71,8 @@ class RolloutWorker(Worker):
         self.running: dict[str, tuple[Sample, object]] = {}  # engine request id -> (sample, request)
         self.env_pool = ThreadPoolExecutor(self.rc.env.workers, thread_name_prefix="env-step")
         self.env_steps: dict[Future, Sample] = {}
-        self.held: dict[tuple[str, int], deque] = {}  # partition -> messages waiting for admission
+        self.queued: dict[tuple[str, int], deque] = {}  # partition -> consumed messages, not admitted
+        self._queue_limit = cfg.rollout.queue_samples or 16 * cfg.rollout.max_inflight
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
         self._last_work = time.monotonic()
         self._last_commit = 0.0
@@ -154,7 +157,7 @@ class RolloutWorker(Worker):
         return ids[0]
 
     def _busy(self) -> bool:
-        return bool(self.ready or self.running or self.env_steps or self.ledger.outstanding() or self.held)
+        return bool(self.ready or self.running or self.env_steps or self.ledger.outstanding() or self.queued)
 
     def _work_once(self, consume: bool) -> None:
         self._poll_weights()
@@ -167,34 +170,40 @@ class RolloutWorker(Worker):
             self._poll_prompts()
         elif not self.running:
             time.sleep(0.005)
+        self._release()
         self.producer.poll(0)
         self._commit()
         self.metrics.set("inflight", len(self.running) + len(self.env_steps))
         self.metrics.set("ready", len(self.ready))
         if self.hold is not None:
             self.metrics.set("held_samples", self.hold.held())
-        self.metrics.set("held_messages", sum(len(q) for q in self.held.values()))
+        self.metrics.set("queued_messages", sum(len(q) for q in self.queued.values()))
+        self.metrics.set("held_messages", sum(len(q) for q in self.queued.values() if not self._admissible(q[0][1])))
         self.metrics.maybe_publish()
 
     # -- prompts ---------------------------------------------------------------------------------
     def _capacity(self) -> int:
         return self.rc.max_inflight - len(self.running) - len(self.env_steps) - len(self.ready)
 
+    def _queued_samples(self, tp=None) -> int:
+        queues = self.queued.values() if tp is None else [self.queued.get(tp, ())]
+        return sum(m[1]["sample_count"] for q in queues for m in q)
+
     def _poll_prompts(self) -> None:
-        """Take the prompt messages that fit the free slots plus the look-ahead
-        (``rollout.prefetch_samples``): capacity is counted in samples and a message asks for
-        ``sample_count`` of them; admitted samples beyond the free slots wait in ``ready`` and start
-        the moment a slot frees. A worker whose slots and look-ahead are full pauses its partitions.
-        Without a look-ahead every freed slot waited for a resume and a fetch round trip (sim bench,
-        uniform k = 1: 32 samples/s with none, see docs/benchmarks.md)."""
-        cap = self._capacity() + self._prefetch
-        idle = not (self.running or self.env_steps or self.ready)
-        room = -(-cap // max(1, round(self._per_msg))) if cap > 0 else int(idle)  # messages that fit
+        """Take prompt messages into the partition queues, up to ``rollout.queue_samples``; pause
+        only a partition whose share of the queue is full. The queue, not a pause, is the flow
+        control: a worker that paused whenever its look-ahead was full toggled its partitions a few
+        times a second, and each resume waited for a fetch (sim bench, long tail, k = 4: prompts
+        took 1.3-1.9 s from the feed to the worker and 13-18% of the slots sat idle)."""
         assigned = self.consumer.assignment()
-        want_paused = ((assigned if room <= 0 else set()) | {tp for tp, q in self.held.items() if q}) & assigned
+        share = self._queue_limit / max(1, len(assigned))
+        want_paused = {tp for tp in assigned if self._queued_samples(tp) >= share}
         paused = self.consumer.paused()
         self.consumer.pause(want_paused - paused)
         self.consumer.resume(paused - want_paused)
+        room = self._queue_limit - self._queued_samples()
+        room = -(-room // max(1, round(self._per_msg))) if room > 0 else 0  # messages that fit
+        idle = not (self.running or self.env_steps or self.ready)  # a queue waiting for admission is idle too
         # consume even when full (partitions paused): it serves rebalance callbacks and max.poll.interval
         msgs = self.consumer.consume(max(1, min(room, 100)), self.rc.poll_timeout_s if idle else 0.0)
         if msgs:
@@ -216,13 +225,10 @@ class RolloutWorker(Worker):
             return
         gen = self.ledger.add(tp, msg.offset(), prompt["sample_count"])
         self._per_msg += 0.2 * (prompt["sample_count"] - self._per_msg)  # samples per message, smoothed
-        q = self.held.get(tp)
-        if q or not self._admissible(prompt):
-            self.held.setdefault(tp, deque()).append((msg.offset(), prompt, gen))
+        if not self._admissible(prompt):
             self.metrics.inc("prompts_held")
             log.debug("holding %s", kv(group_seq=prompt["group_seq"], version=self.engine.version, k=self.k))
-            return
-        self._admit(tp, msg.offset(), prompt, gen)
+        self.queued.setdefault(tp, deque()).append((msg.offset(), prompt, gen))
 
     def _parse(self, msg) -> dict:
         """The decoded, checked Prompt of ``msg`` with its token ids in ``_tokens``."""
@@ -248,7 +254,7 @@ class RolloutWorker(Worker):
         log.warning("partition rewound; restarting its bookkeeping %s", kv(partition=tp[1], offset=offset))
         self.metrics.inc("partition_rewinds")
         self.ledger.drop([tp])
-        self.held.pop(tp, None)
+        self.queued.pop(tp, None)
         self.to_commit.pop(tp, None)
 
     def _admissible(self, prompt: dict) -> bool:
@@ -272,10 +278,19 @@ class RolloutWorker(Worker):
         self.metrics.set("admitted_group_seq", prompt["group_seq"])
         self.metrics.set("admitted_at_version", self.engine.version)
 
-    def _release_held(self) -> None:
-        for tp, q in self.held.items():
-            while q and self._admissible(q[0][1]):
-                self._admit(tp, *q.popleft())
+    def _release(self) -> None:
+        """Admit queued messages while the free slots and the look-ahead have room (one message
+        regardless when nothing is running or ready), always the oldest admissible group first: an
+        old group that waits holds the trainer back and grows staler."""
+        while self._capacity() + self._prefetch > 0 or not (self.running or self.env_steps or self.ready):
+            heads = [(q[0][1]["group_seq"], tp) for tp, q in self.queued.items() if q and self._admissible(q[0][1])]
+            if not heads:
+                return
+            tp = min(heads)[1]
+            q = self.queued[tp]
+            self._admit(tp, *q.popleft())
+            if not q:
+                del self.queued[tp]
 
     def _dead_letter(self, msg, error_type: str, reason: str, gen: int) -> None:
         tp, off = (msg.topic(), msg.partition()), msg.offset()
@@ -344,8 +359,17 @@ class RolloutWorker(Worker):
     def _publish(self, s: Sample) -> None:
         """``s`` has finished: produce it, or hold it until its message's last sample finishes."""
         s.finished_ms = now_ms()  # generation ended (a held sample is produced later)
-        for done in self.hold.finished(s) if self.hold is not None else (s,):
-            self._produce(done)
+        done = self.hold.finished(s) if self.hold is not None else [s]
+        soon = self.engine.version + min(1, self.k)  # the trainer's likely version when the group lands
+        if len(done) > 1 and not self.restarts.stale(s, soon, finished=True):
+            # the message is complete and its last sample will train: regenerate the held ones that will not
+            again = [x for x in done if x is not s and self.restarts.doomed(x, soon, finished=True)]
+            if again:
+                self.hold.reopen(s, [x for x in done if all(x is not y for y in again)], len(again))
+                self._regenerate(again)
+                return
+        for x in done:
+            self._produce(x)
 
     def _produce(self, s: Sample) -> None:
         rec = s.trajectory(self.tokenizer, self.worker_id, self.engine.name, self.engine.version)
@@ -368,7 +392,7 @@ class RolloutWorker(Worker):
         if self.weights.loadable is not None and self.weights.loadable is not had:
             self.metrics.observe("weight_fetch_ms", self.weights.fetch_ms)
         if self.weights.admission_moves():
-            self._release_held()
+            self._release()
 
     def _maybe_load(self) -> None:
         if self.weights.loadable is None:
@@ -394,7 +418,7 @@ class RolloutWorker(Worker):
             return  # drain: wait for the engine to empty
         self._load()
         self._restart_finished()
-        self._release_held()
+        self._release()
 
     def _restart_finished(self) -> None:
         """Restart the held finished samples that the version just loaded makes certain to be
@@ -402,7 +426,10 @@ class RolloutWorker(Worker):
         if self.hold is None:
             return
         version = self.engine.version
-        for s in self.hold.take(lambda s: self.restarts.doomed(s, version, finished=True)):
+        self._regenerate(self.hold.take(lambda s: self.restarts.doomed(s, version, finished=True)))
+
+    def _regenerate(self, samples: list[Sample]) -> None:
+        for s in samples:
             self.metrics.inc("regenerated_samples")
             self.metrics.inc("regenerate_discarded_tokens", s.restart())
             self.ready.appendleft(s)
@@ -467,8 +494,8 @@ class RolloutWorker(Worker):
 
     def _drain(self, pred) -> None:
         """Finish every admitted sample of partitions matching ``pred``, wait for their acks, commit."""
-        for tp in [tp for tp in self.held if pred(tp)]:
-            self.held.pop(tp)
+        for tp in [tp for tp in self.queued if pred(tp)]:
+            self.queued.pop(tp)
 
         def pending():
             running = [s for s, _ in self.running.values()]
@@ -493,7 +520,7 @@ class RolloutWorker(Worker):
         log.warning("partitions lost %s", kv(partitions=sorted(t[1] for t in tps)))
         self.ledger.drop(tps)
         for tp in tps:
-            self.held.pop(tp, None)
+            self.queued.pop(tp, None)
             self.to_commit.pop(tp, None)
 
 

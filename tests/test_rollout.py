@@ -22,8 +22,10 @@ DATA = "tests/data/prompts.jsonl"
 class WorkerThread:
     """A RolloutWorker in a thread; ``join`` re-raises what killed it."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, before=None):
         self.worker = RolloutWorker(cfg)
+        if before is not None:
+            before(self.worker)  # e.g. wrap a method, before the worker thread starts
         self.stop = threading.Event()
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -63,7 +65,31 @@ def engine_state(w) -> str:
     ww, eng = w.worker, w.worker.engine
     rows = [len(r.tokens) for r in eng.rows] if eng is not None else None
     return (f"engine rows (tokens) {rows}, running {len(ww.running)}, ready {len(ww.ready)}, "
-            f"stats {ww.stats}, held {ww.hold.held() if ww.hold else None}")  # fmt: skip
+            f"stats {ww.stats}, held {ww.hold.held() if ww.hold else None}, queued {ww._queued_samples()}")  # fmt: skip
+
+
+def gate_at(tokens: int, published: threading.Event, timeout: float = 240.0):
+    """A ``WorkerThread`` hook: the worker's loop waits (up to ``timeout``) once every running
+    sample has ``tokens`` tokens, until ``published`` is set. Without it a test thread starved on a
+    loaded machine could miss the window and find every sample finished (seen about 1 in 10 CI
+    runs: "timed out waiting for generation under way", every row done)."""
+
+    def hook(worker):
+        work = worker._work_once
+
+        def _work_once(consume):
+            deadline = time.monotonic() + timeout
+            while not published.is_set() and time.monotonic() < deadline:
+                rows = worker.engine.rows if worker.engine is not None else []
+                if not rows or min(len(r.tokens) for r in rows) < tokens:
+                    break
+                worker.beat()
+                published.wait(0.05)
+            work(consume)
+
+        worker._work_once = _work_once
+
+    return hook
 
 
 def trajectories(cfg, n=0, timeout=60):
@@ -131,7 +157,8 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
     forcing = forcing_state_dict(base_state(cfg), z)  # ready before generation starts
     producer = Producer(client_conf(cfg, "test", kind="producer"))
     producer.partitions(cfg.topics.name("control"))  # connected before the race starts
-    w = WorkerThread(cfg)
+    published = threading.Event()
+    w = WorkerThread(cfg, before=gate_at(20, published))
 
     def rows():  # the engine exists once the worker is set up
         return w.worker.engine.rows if w.worker.engine is not None else []
@@ -142,7 +169,10 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
         what=lambda: f"generation under way: {engine_state(w)}",
         worker=w,
     )
-    publish_version(cfg, 1, forcing, producer)
+    try:
+        publish_version(cfg, 1, forcing, producer)
+    finally:
+        published.set()
     producer.close()
     got = wait_for(lambda: (t := trajectories(cfg, 3, 0)) and len(t) >= 3 and t, timeout=120, worker=w)
     w.join()
@@ -180,7 +210,8 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, fin
     forcing = forcing_state_dict(base_state(cfg), z)
     producer = Producer(client_conf(cfg, "test", kind="producer"))
     producer.partitions(cfg.topics.name("control"))
-    w = WorkerThread(cfg)
+    published = threading.Event()
+    w = WorkerThread(cfg, before=gate_at(begun, published))
 
     def rows():
         return w.worker.engine.rows if w.worker.engine is not None else []
@@ -191,7 +222,10 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, fin
         what=lambda: engine_state(w),
         worker=w,
     )
-    publish_version(cfg, 1, forcing, producer)
+    try:
+        publish_version(cfg, 1, forcing, producer)
+    finally:
+        published.set()
     producer.close()
     got = wait_for(lambda: (t := trajectories(cfg, n, 0)) and len(t) >= n and t, timeout=120, worker=w)
     w.join()
@@ -299,3 +333,42 @@ def test_lookahead_keeps_at_most_prefetch_samples_queued_beyond_the_free_slots(m
     assert max(r for r, _ in seen) <= prefetch + n - 1, seen
     busy_queue = max((r for r, running in seen if running), default=0)
     assert busy_queue >= (prefetch if prefetch else 1), seen  # the look-ahead (or a message's rest) waits
+
+
+def test_the_prompt_queue_stays_within_queue_samples_and_admits_the_oldest_group_first(make_config):
+    """rollout.queue_samples bounds the consumed, not yet admitted messages (a partition whose share
+    is full is paused; one consume may overshoot a share, which another partition's first message
+    then overshoots the total by), and each admission takes the oldest group at the heads of the
+    partition queues. Every sample is still generated exactly once and every offset committed."""
+    n, limit, parts = 2, 4, 2
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=8", f"rl.group_size={n}", "rl.max_staleness=100", f"topics.prompts.partitions={parts}",
+        "rollout.max_inflight=1", "rollout.prefetch_samples=0", f"rollout.queue_samples={limit}",
+        "rollout.max_new_tokens=4", 'rollout.engine={type = "sim", token_latency_s = 0.05, sigma = 0, median_tokens = 4}',
+    )  # fmt: skip
+    feed.run(cfg)
+    queued, admitted = [], []
+
+    def spy(worker):
+        release, admit = worker._release, worker._admit
+
+        def _release():
+            queued.append(worker._queued_samples())
+            release()
+
+        def _admit(tp, offset, prompt, gen):  # its message has just left the head of its queue
+            heads = [q[0][1]["group_seq"] for q in worker.queued.values() if q]
+            admitted.append((prompt["group_seq"], heads))
+            admit(tp, offset, prompt, gen)
+
+        worker._release, worker._admit = _release, _admit
+
+    w = WorkerThread(cfg, before=spy)
+    wait_for(lambda: len(trajectories(cfg, 0, 0)) >= 8 * n, 300, lambda: engine_state(w), worker=w)
+    w.join()
+    assert len({t["trajectory_id"] for t in trajectories(cfg, 8 * n)}) == 8 * n
+    assert limit <= max(queued) <= limit + n * (parts - 1), queued  # used, and bounded
+    assert sorted(g for g, _ in admitted) == list(range(8))
+    assert all(g < min(heads, default=g + 1) for g, heads in admitted), admitted
+    ends = end_offsets(cfg, cfg.topics.name("prompts"))
+    assert all(committed(cfg)[p] == hi for p, hi in ends.items() if hi > 0)
