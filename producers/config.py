@@ -248,9 +248,17 @@ class RolloutConfig(StrictModel):
     makes certain to be dropped (sample rule: ``version - version_min > k``; token rule: every token
     too old, ``version - version_max > k``) is generated again from its prompt, counted in
     ``regenerated_samples`` and ``regenerate_discarded_tokens``; so is one the trainer will likely
-    drop (at the loaded version + 1) when the message's last sample finishes and will itself train.
+    drop (``restart_margin``) when the message's last sample finishes and will itself train.
     Those are the short samples of a group whose long sample is still generating, where most stale
     waste comes from (docs/benchmarks.md). ``all``: both."""
+    restart_margin: int | None = Field(None, ge=0, le=100)
+    """Versions of look-ahead for regenerating a message's held samples when its last sample
+    finishes (``restart_scope`` ``all``/``finished``): those the trainer would drop at the loaded
+    version + this margin are generated again before the message is published, as long as the last
+    sample itself would train. None = 1 at k >= 2, else 0. Measured on the sim long-tail bench
+    (docs/benchmarks.md): at k = 2, token rule, stale drops 81 -> 12 at the same throughput; at
+    k = 1 a margin of 1 regenerated 232 samples to save 68 drops and lost about 10% throughput
+    (the trainer, starved at k = 1, mostly trains a group at the version it was loaded with)."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

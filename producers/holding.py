@@ -89,13 +89,16 @@ class StaleRestarts:
     trains a late sample's fresh tokens)."""
     finished: bool
     """Hold finished samples and regenerate those a load dooms."""
+    margin: int = 0
+    """Versions beyond the loaded one at which a complete message's held samples are checked."""
 
     @classmethod
     def of(cls, rc, staleness_rule: str, k: int) -> StaleRestarts:
         scope, token_rule = rc.restart_scope, staleness_rule == "token"
         in_flight = rc.reload_policy == "interrupt" and scope in ("all", "in_flight") and not token_rule
         finished = bool(rc.stale_restarts) and scope in ("all", "finished")
-        return cls(rc.stale_restarts, k, token_rule, in_flight, finished)
+        margin = rc.restart_margin if rc.restart_margin is not None else int(k >= 2)
+        return cls(rc.stale_restarts, k, token_rule, in_flight, finished, margin)
 
     def stale(self, s, version: int, finished: bool = False) -> bool:
         """``s`` would be dropped at trainer ``version``. In flight: by ``version_min``. Finished:

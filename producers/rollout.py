@@ -360,8 +360,8 @@ class RolloutWorker(Worker):
         """``s`` has finished: produce it, or hold it until its message's last sample finishes."""
         s.finished_ms = now_ms()  # generation ended (a held sample is produced later)
         done = self.hold.finished(s) if self.hold is not None else [s]
-        soon = self.engine.version + min(1, self.k)  # the trainer's likely version when the group lands
-        if len(done) > 1 and not self.restarts.stale(s, soon, finished=True):
+        soon = self.engine.version + self.restarts.margin  # the trainer's likely version when the group lands
+        if len(done) > 1 and self.restarts.margin and not self.restarts.stale(s, soon, finished=True):
             # the message is complete and its last sample will train: regenerate the held ones that will not
             again = [x for x in done if x is not s and self.restarts.doomed(x, soon, finished=True)]
             if again:

@@ -41,8 +41,8 @@ def test_samples_taken_back_are_waited_for():
     assert hold.take(lambda s: True) == [] and hold.held() == 0
 
 
-def rc(scope="all", restarts=1, policy="interrupt"):
-    return SimpleNamespace(restart_scope=scope, stale_restarts=restarts, reload_policy=policy)
+def rc(scope="all", restarts=1, policy="interrupt", margin=None):
+    return SimpleNamespace(restart_scope=scope, stale_restarts=restarts, reload_policy=policy, restart_margin=margin)
 
 
 def gen(version_min, version_max, restarts=0, env=None):
@@ -72,3 +72,12 @@ def test_limits_rules_and_environments():
     off = StaleRestarts.of(rc(restarts=0), "sample", 1)
     assert not off.finished and not off.doomed(s, 5)  # stale_restarts=0: no restarts at all
     assert not StaleRestarts.of(rc(policy="drain"), "sample", 1).in_flight
+
+
+def test_the_release_margin_defaults_by_k_and_stale_ignores_the_limits():
+    assert [StaleRestarts.of(rc(), "token", k).margin for k in (0, 1, 2, 4)] == [0, 0, 1, 1]
+    assert StaleRestarts.of(rc(margin=3), "token", 1).margin == 3  # an explicit margin wins
+    p = StaleRestarts.of(rc(), "token", 2)
+    used = gen(0, 1, restarts=1)
+    assert p.stale(used, 4, finished=True) and not p.doomed(used, 4, finished=True)  # stale, not restartable
+    assert not p.stale(used, 3, finished=True)  # its newest token is inside the bound
