@@ -20,10 +20,11 @@ ledger generation: what was in flight for it still gets published, nothing of it
 Admission (``pipeline.control.may_admit``): a group starts only if ``group_seq < C(v) + (k + 1) * G``
 at the loaded version v, where C(v) is the number of groups the trainer had consumed when it
 published v (``v * G`` unless groups were filtered); otherwise its message stays queued, and so
-do the ones behind it on its partition, until a newer WeightUpdate is loaded. Weight reload (``producers.weights``): rl.control is followed; a new
-checkpoint is fetched and verified in a background thread, then loaded at a safe point: ``drain``
-stops starting turns until the engine is empty, ``interrupt`` aborts in-flight requests and
-resumes them under the new weights. Loaded version and latencies go to rl.metrics.
+do the ones behind it on its partition, until a newer WeightUpdate is loaded. Weight reload
+(``producers.weights``): rl.control is followed; a new checkpoint is fetched and verified in a
+background thread, then loaded at a safe point: ``drain`` stops starting turns until the engine
+is empty, ``interrupt`` aborts in-flight requests and resumes them under the new weights.
+Loaded version and latencies go to rl.metrics.
 
 The process lifecycle (signals, watchdog, bounded shutdown) is ``pipeline.worker``'s.
 What this is not: a reward or training component, nor an engine (``producers.engines``).
@@ -49,6 +50,7 @@ from producers.engines import EngineContext, GenOutput, build_engine
 from producers.envs import EnvContext, env_factory
 from producers.holding import SampleHold, StaleRestarts
 from producers.ledger import OffsetLedger
+from producers.prompt_queue import PromptQueue
 from producers.sample import Sample
 from producers.weights import WeightSync
 
@@ -71,8 +73,8 @@ class RolloutWorker(Worker):
         self.running: dict[str, tuple[Sample, object]] = {}  # engine request id -> (sample, request)
         self.env_pool = ThreadPoolExecutor(self.rc.env.workers, thread_name_prefix="env-step")
         self.env_steps: dict[Future, Sample] = {}
-        self.queued: dict[tuple[str, int], deque] = {}  # partition -> consumed messages, not admitted
-        self._queue_limit = cfg.rollout.queue_samples or 16 * cfg.rollout.max_inflight
+        self.queue = PromptQueue(cfg.rollout.queue_samples or 16 * cfg.rollout.max_inflight)
+        """Consumed prompt messages, not admitted yet (``rollout.queue_samples``)."""
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
         self._last_work = time.monotonic()
         self._last_commit = 0.0
@@ -157,7 +159,7 @@ class RolloutWorker(Worker):
         return ids[0]
 
     def _busy(self) -> bool:
-        return bool(self.ready or self.running or self.env_steps or self.ledger.outstanding() or self.queued)
+        return bool(self.ready or self.running or self.env_steps or self.ledger.outstanding() or self.queue)
 
     def _work_once(self, consume: bool) -> None:
         self._poll_weights()
@@ -177,32 +179,22 @@ class RolloutWorker(Worker):
         self.metrics.set("ready", len(self.ready))
         if self.hold is not None:
             self.metrics.set("held_samples", self.hold.held())
-        self.metrics.set("queued_messages", sum(len(q) for q in self.queued.values()))
-        self.metrics.set("held_messages", sum(len(q) for q in self.queued.values() if not self._admissible(q[0][1])))
+        self.metrics.set("queued_messages", len(self.queue))
+        self.metrics.set("held_messages", self.queue.waiting(self._admissible))
         self.metrics.maybe_publish()
 
     # -- prompts ---------------------------------------------------------------------------------
     def _capacity(self) -> int:
         return self.rc.max_inflight - len(self.running) - len(self.env_steps) - len(self.ready)
 
-    def _queued_samples(self, tp=None) -> int:
-        queues = self.queued.values() if tp is None else [self.queued.get(tp, ())]
-        return sum(m[1]["sample_count"] for q in queues for m in q)
-
     def _poll_prompts(self) -> None:
-        """Take prompt messages into the partition queues, up to ``rollout.queue_samples``; pause
-        only a partition whose share of the queue is full. The queue, not a pause, is the flow
-        control: a worker that paused whenever its look-ahead was full toggled its partitions a few
-        times a second, and each resume waited for a fetch (sim bench, long tail, k = 4: prompts
-        took 1.3-1.9 s from the feed to the worker and 13-18% of the slots sat idle)."""
-        assigned = self.consumer.assignment()
-        share = self._queue_limit / max(1, len(assigned))
-        want_paused = {tp for tp in assigned if self._queued_samples(tp) >= share}
+        """Take prompt messages into the queue; pause only the partitions whose share of it is full
+        (why: ``producers.prompt_queue``)."""
+        want_paused = self.queue.full(self.consumer.assignment())
         paused = self.consumer.paused()
         self.consumer.pause(want_paused - paused)
         self.consumer.resume(paused - want_paused)
-        room = self._queue_limit - self._queued_samples()
-        room = -(-room // max(1, round(self._per_msg))) if room > 0 else 0  # messages that fit
+        room = self.queue.room(self._per_msg)  # messages that fit
         idle = not (self.running or self.env_steps or self.ready)  # a queue waiting for admission is idle too
         # consume even when full (partitions paused): it serves rebalance callbacks and max.poll.interval
         msgs = self.consumer.consume(max(1, min(room, 100)), self.rc.poll_timeout_s if idle else 0.0)
@@ -228,7 +220,7 @@ class RolloutWorker(Worker):
         if not self._admissible(prompt):
             self.metrics.inc("prompts_held")
             log.debug("holding %s", kv(group_seq=prompt["group_seq"], version=self.engine.version, k=self.k))
-        self.queued.setdefault(tp, deque()).append((msg.offset(), prompt, gen))
+        self.queue.push(tp, msg.offset(), prompt, gen)
 
     def _parse(self, msg) -> dict:
         """The decoded, checked Prompt of ``msg`` with its token ids in ``_tokens``."""
@@ -254,7 +246,7 @@ class RolloutWorker(Worker):
         log.warning("partition rewound; restarting its bookkeeping %s", kv(partition=tp[1], offset=offset))
         self.metrics.inc("partition_rewinds")
         self.ledger.drop([tp])
-        self.queued.pop(tp, None)
+        self.queue.drop(lambda t: t == tp)
         self.to_commit.pop(tp, None)
 
     def _admissible(self, prompt: dict) -> bool:
@@ -279,18 +271,14 @@ class RolloutWorker(Worker):
         self.metrics.set("admitted_at_version", self.engine.version)
 
     def _release(self) -> None:
-        """Admit queued messages while the free slots and the look-ahead have room (one message
-        regardless when nothing is running or ready), always the oldest admissible group first: an
-        old group that waits holds the trainer back and grows staler."""
+        """Admit queued messages, oldest admissible group first, while the free slots and the
+        look-ahead have room (one message regardless when nothing is running or ready)."""
         while self._capacity() + self._prefetch > 0 or not (self.running or self.env_steps or self.ready):
-            heads = [(q[0][1]["group_seq"], tp) for tp, q in self.queued.items() if q and self._admissible(q[0][1])]
-            if not heads:
+            got = self.queue.pop_oldest(self._admissible)
+            if got is None:
                 return
-            tp = min(heads)[1]
-            q = self.queued[tp]
-            self._admit(tp, *q.popleft())
-            if not q:
-                del self.queued[tp]
+            tp, entry = got
+            self._admit(tp, *entry)
 
     def _dead_letter(self, msg, error_type: str, reason: str, gen: int) -> None:
         tp, off = (msg.topic(), msg.partition()), msg.offset()
@@ -494,8 +482,7 @@ class RolloutWorker(Worker):
 
     def _drain(self, pred) -> None:
         """Finish every admitted sample of partitions matching ``pred``, wait for their acks, commit."""
-        for tp in [tp for tp in self.queued if pred(tp)]:
-            self.queued.pop(tp)
+        self.queue.drop(pred)
 
         def pending():
             running = [s for s, _ in self.running.values()]
@@ -519,8 +506,8 @@ class RolloutWorker(Worker):
         tps = {(p.topic, p.partition) for p in partitions}
         log.warning("partitions lost %s", kv(partitions=sorted(t[1] for t in tps)))
         self.ledger.drop(tps)
+        self.queue.drop(lambda tp: tp in tps)
         for tp in tps:
-            self.queued.pop(tp, None)
             self.to_commit.pop(tp, None)
 
 

@@ -65,7 +65,7 @@ def engine_state(w) -> str:
     ww, eng = w.worker, w.worker.engine
     rows = [len(r.tokens) for r in eng.rows] if eng is not None else None
     return (f"engine rows (tokens) {rows}, running {len(ww.running)}, ready {len(ww.ready)}, "
-            f"stats {ww.stats}, held {ww.hold.held() if ww.hold else None}, queued {ww._queued_samples()}")  # fmt: skip
+            f"stats {ww.stats}, held {ww.hold.held() if ww.hold else None}, queued {ww.queue.samples()}")  # fmt: skip
 
 
 def gate_at(tokens: int, published: threading.Event, timeout: float = 240.0):
@@ -353,11 +353,11 @@ def test_the_prompt_queue_stays_within_queue_samples_and_admits_the_oldest_group
         release, admit = worker._release, worker._admit
 
         def _release():
-            queued.append(worker._queued_samples())
+            queued.append(worker.queue.samples())
             release()
 
         def _admit(tp, offset, prompt, gen):  # its message has just left the head of its queue
-            heads = [q[0][1]["group_seq"] for q in worker.queued.values() if q]
+            heads = [p["group_seq"] for p in worker.queue.heads()]
             admitted.append((prompt["group_seq"], heads))
             admit(tp, offset, prompt, gen)
 
