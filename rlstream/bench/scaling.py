@@ -224,7 +224,8 @@ def table(result: dict) -> str:
     t += (f"\n\nRebalance: {j['joining']} rollout workers joining a stable group of {j['members_before']} at once: "
           f"stable again after **{j['rebalance_s']} s** (stable: {j['stable']}).\n\n")  # fmt: skip
     p = result["projection"]
-    proj = [[w, *(p["worker_bound"].get(s, {}).get(w) for s in ("rollout", "reward"))] for w in PROJECT_TO]
+    bound = {s: {int(w): v for w, v in p["worker_bound"].get(s, {}).items()} for s in ("rollout", "reward")}
+    proj = [[w, bound["rollout"].get(w), bound["reward"].get(w)] for w in PROJECT_TO]  # JSON keys are strings
     t += md_table(["workers per stage (1 core each)", "rollout-bound samples/s", "reward-bound samples/s"], proj)
     return t + (
         f"\n\nBroker: {p['broker_ms_per_sample']} ms of broker CPU per sample through both stages, i.e. "
