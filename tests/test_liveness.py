@@ -153,17 +153,20 @@ TINY = ["model.hidden_size=32", "model.num_heads=2", "model.num_layers=1", "mode
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_partitions_handed_back_while_prompts_are_held_are_fetched_again(make_config):
-    """Issue 10 A: worker A holds prompts for admission (k = 0, its partitions paused); B joins and
-    takes some of them, then leaves and hands them back. librdkafka keeps a partition's pause flag
-    across revoke and re-assign: without the wrapper's resume-on-assign A never fetches them again
-    and the groups on them are never generated."""
+    """Issue 10 A: worker A holds prompts for admission (k = 0; a queue of 4 samples, so a partition
+    holding one message has its share and is paused); B joins and takes some of them, then leaves
+    and hands them back. librdkafka keeps a partition's pause flag across revoke and re-assign:
+    without the wrapper's resume-on-assign A never fetches them again and the groups on them are
+    never generated."""
     from producers import feed
     from producers.testing import publish_version
     from tests.test_rollout import WorkerThread, base_state, trajectories, wait_for
 
     common = ("rl.max_staleness=0", "rl.groups_per_step=2", "rl.group_size=2", "topics.prompts.partitions=4")
     kafka = 'kafka.consumer={"session.timeout.ms" = 6000, "heartbeat.interval.ms" = 500}'
-    cfg = make_config(f"feed.source={DATA}", "feed.limit=12", "rollout.max_new_tokens=4", *common, kafka)
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=12", "rollout.max_new_tokens=4", "rollout.queue_samples=4", *common, kafka
+    )
     feed.run(cfg)
     a = WorkerThread(cfg)
     wait_for(lambda: len(trajectories(cfg, 0, 0)) >= 4, what="v0's two groups", worker=a)
