@@ -211,9 +211,10 @@ class RolloutConfig(StrictModel):
     """Samples of consumed, not yet admitted prompt messages the worker keeps in memory (None =
     ``16 * max_inflight``), shared evenly by its partitions; a partition whose share is full is
     paused (a partition with nothing queued always takes a message, so inadmissible groups queued
-    from one partition never keep another partition's admissible ones out). Pausing is the exception, not the flow control: librdkafka drops a paused partition's
-    fetched messages and a resume waits for a new fetch, which left 13-18% of the decode slots idle
-    on the sim bench when the worker paused whenever its look-ahead was full (docs/benchmarks.md).
+    from one partition never keep another partition's admissible ones out). Pausing is the
+    exception, not the flow control: librdkafka drops a paused partition's fetched messages and a
+    resume waits for a new fetch, which left 13-18% of the decode slots idle on the sim bench when
+    the worker paused whenever its look-ahead was full (docs/benchmarks.md).
     Queued messages are not admitted: a revoked partition's queue goes to its next owner."""
     max_new_tokens: int = Field(64, ge=1, le=1_000_000)
     """Default response budget per sample (a prompt may lower or raise it); multi-turn: whole episode."""

@@ -47,12 +47,12 @@ class SampleHold:
         del self._left[k]
         return [*self._done.pop(k, []), s]
 
-    def reopen(self, s, done: list, left: int) -> None:
-        """The message of ``s`` (all of it just handed back by ``finished``) waits again: ``done``
-        stays held and ``left`` samples run again."""
-        k = self.key(s)
-        self._left[k] = left
-        self._done[k] = list(done)
+    def reopen(self, s, done: list, again: list) -> None:
+        """The message of ``s`` (``done``, all of it just handed back by ``finished``) waits again:
+        the samples of ``again`` run again, the rest stay held."""
+        k, redo = self.key(s), {id(x) for x in again}
+        self._left[k] = len(again)
+        self._done[k] = [x for x in done if id(x) not in redo]
 
     def take(self, pred: Callable[[object], bool]) -> list:
         """Remove the held samples matching ``pred`` (the caller runs them again): their messages
@@ -105,6 +105,15 @@ class StaleRestarts:
         by its newest token under the token rule, else by ``version_min``."""
         oldest_kept = s.version_max if finished and self.token_rule else s.version_min
         return oldest_kept is not None and is_stale(version, oldest_kept, self.k)
+
+    def likely_lost(self, last, done: list, loaded: int) -> list:
+        """``last`` has just completed its message (``done``): the other samples the trainer would
+        drop at its likely version when the group lands (``loaded`` + ``margin``), if ``last``
+        itself would train; else none."""
+        soon = loaded + self.margin
+        if not self.margin or self.stale(last, soon, finished=True):
+            return []
+        return [x for x in done if x is not last and self.doomed(x, soon, finished=True)]
 
     def doomed(self, s, version: int, finished: bool = False) -> bool:
         """``s`` is stale at ``version`` and may be generated again."""

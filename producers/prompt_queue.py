@@ -28,6 +28,8 @@ class PromptQueue:
         self.limit = limit
         """Most samples queued in all (a consume may overshoot it by a message or a share)."""
         self._q: dict[TP, deque[Entry]] = {}
+        self._n: dict[TP, int] = {}
+        """Samples queued per partition, kept with ``_q`` (read on every loop of the worker)."""
 
     def __bool__(self) -> bool:
         return bool(self._q)
@@ -37,16 +39,16 @@ class PromptQueue:
 
     def push(self, tp: TP, offset: int, prompt: dict, gen: int) -> None:
         self._q.setdefault(tp, deque()).append((offset, prompt, gen))
+        self._n[tp] = self._n.get(tp, 0) + prompt["sample_count"]
 
     def samples(self, tp: TP | None = None) -> int:
-        queues = self._q.values() if tp is None else [self._q.get(tp, ())]
-        return sum(e[1]["sample_count"] for q in queues for e in q)
+        return sum(self._n.values()) if tp is None else self._n.get(tp, 0)
 
     def full(self, assigned: Iterable[TP]) -> set[TP]:
         """The assigned partitions to pause: those holding their share of ``limit`` or more."""
         assigned = list(assigned)
         share = self.limit / max(1, len(assigned))
-        return {tp for tp in assigned if tp in self._q and self.samples(tp) >= share}
+        return {tp for tp in assigned if tp in self._q and self._n[tp] >= share}
 
     def room(self, per_message: float) -> int:
         """Messages of ``per_message`` samples that still fit."""
@@ -64,8 +66,9 @@ class PromptQueue:
         tp = min(heads)[1]
         q = self._q[tp]
         entry = q.popleft()
+        self._n[tp] -= entry[1]["sample_count"]
         if not q:
-            del self._q[tp]
+            del self._q[tp], self._n[tp]
         return tp, entry
 
     def waiting(self, admissible: Callable[[dict], bool]) -> int:
@@ -76,4 +79,4 @@ class PromptQueue:
         """Forget the partitions matching ``pred`` (revoked, lost, rewound): their next owner, or
         the re-delivery, has the messages."""
         for tp in [tp for tp in self._q if pred(tp)]:
-            del self._q[tp]
+            del self._q[tp], self._n[tp]

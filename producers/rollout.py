@@ -348,14 +348,11 @@ class RolloutWorker(Worker):
         """``s`` has finished: produce it, or hold it until its message's last sample finishes."""
         s.finished_ms = now_ms()  # generation ended (a held sample is produced later)
         done = self.hold.finished(s) if self.hold is not None else [s]
-        soon = self.engine.version + self.restarts.margin  # the trainer's likely version when the group lands
-        if len(done) > 1 and self.restarts.margin and not self.restarts.stale(s, soon, finished=True):
-            # the message is complete and its last sample will train: regenerate the held ones that will not
-            again = [x for x in done if x is not s and self.restarts.doomed(x, soon, finished=True)]
-            if again:
-                self.hold.reopen(s, [x for x in done if all(x is not y for y in again)], len(again))
-                self._regenerate(again)
-                return
+        again = self.restarts.likely_lost(s, done, self.engine.version) if len(done) > 1 else []
+        if again:  # the message waits for them again
+            self.hold.reopen(s, done, again)
+            self._regenerate(again)
+            return
         for x in done:
             self._produce(x)
 

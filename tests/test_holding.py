@@ -81,3 +81,18 @@ def test_the_release_margin_defaults_by_k_and_stale_ignores_the_limits():
     used = gen(0, 1, restarts=1)
     assert p.stale(used, 4, finished=True) and not p.doomed(used, 4, finished=True)  # stale, not restartable
     assert not p.stale(used, 3, finished=True)  # its newest token is inside the bound
+
+
+def test_likely_lost_and_reopen_send_a_complete_messages_stale_samples_round_again():
+    p = StaleRestarts.of(rc(), "token", 2)  # margin 1: checked at the loaded version + 1
+    last, fresh, old = gen(3, 5), gen(4, 4), gen(0, 2)
+    assert p.likely_lost(last, [fresh, old, last], loaded=5) == [old]  # 5 + 1 - 2 > 2
+    assert p.likely_lost(gen(0, 2), [old, gen(0, 2)], loaded=5) == []  # the last one would not train either
+    assert StaleRestarts.of(rc(), "token", 1).likely_lost(last, [old, last], loaded=5) == []  # margin 0 at k = 1
+    hold = SampleHold()
+    a, b, c = sample(7, 0), sample(7, 1), sample(7, 2)
+    hold.admit(SampleHold.key(a), 3)
+    assert hold.finished(a) == [] and hold.finished(b) == []
+    done = hold.finished(c)
+    hold.reopen(c, done, [a])
+    assert hold.held() == 2 and hold.finished(a) == [b, c, a]  # the message waited for a alone
