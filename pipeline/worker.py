@@ -74,6 +74,16 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def exit_without_teardown(code: int, why: str) -> None:
+    """End the process now, after its output, skipping interpreter teardown: for a process whose
+    work is done and whose native threads could block or abort during that teardown."""
+    log.info("exiting without interpreter teardown %s", why)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def dead_letter(msg, error_type: str, reason: str, role: str, worker_id: str) -> dict:
     """The DeadLetter record of consumed message ``msg``: its bytes, where it came from, and why."""
     return {
@@ -231,11 +241,7 @@ class Worker:
         if self.watchdog is not None and wedged_clients():
             # A librdkafka client had to be abandoned (stuck in a call for good): destroying it at
             # interpreter exit could block, so this process ends here, cleanly, after its output.
-            log.info("exiting without interpreter teardown %s", kv(abandoned_kafka_clients=wedged_clients()))
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            logging.shutdown()
-            os._exit(0)
+            exit_without_teardown(0, kv(abandoned_kafka_clients=wedged_clients()))
         return self.result()
 
     def start(self) -> None:

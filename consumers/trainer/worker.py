@@ -33,7 +33,7 @@ from consumers.trainer.accounting import account_step
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
 from consumers.trainer.batch import informative, plan_step, sample_from_record
 from consumers.trainer.engines import TrainContext, build_engine
-from consumers.trainer.engines.base import barrier, broadcast_object, dist_env
+from consumers.trainer.engines.base import barrier, broadcast_object, close_dist, dist_env
 from consumers.trainer.losses import LossFn
 from consumers.trainer.publish import write_version
 from consumers.trainer.selection import ArrivalSelector, ScheduleSelector, SequenceSelector
@@ -401,11 +401,19 @@ class Trainer(Worker):
             log.warning("offset commit failed (lag display only) %s", kv(error=err))
 
     def close(self) -> None:
-        """Rank 0: final metrics and offset commit, close the clients, free the checkpoint dir.
-        Idempotent."""
-        if self._closed or self.rank != 0:
+        """Rank 0: final metrics and offset commit, close the clients, free the checkpoint dir. Every
+        rank, after a clean stop (no collective is left): destroy the process group. Idempotent."""
+        if self._closed:
             return
         self._closed = True
+        try:
+            if self.rank == 0:
+                self._close_clients()
+        finally:
+            if not self.failed:
+                close_dist(self.world)
+
+    def _close_clients(self) -> None:
         try:
             if self.metrics is not None and not self.failed:
                 self.metrics.publish()

@@ -80,6 +80,19 @@ def barrier(world: int) -> None:
         dist.barrier()
 
 
+def close_dist(world: int) -> None:
+    """Destroy the process groups of a multi-process run, if there are any. Every rank calls it once
+    its last collective is done (what a multi-rank program should do before it exits). It does not
+    stop gloo's worker threads while the model still holds the group, so a multi-rank command also
+    ends without interpreter teardown (``rlstream train``)."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def merge_stats(into: dict, new: dict) -> None:
     for k, (s, n) in new.items():
         a, b = into.get(k, (0.0, 0.0))
