@@ -197,6 +197,13 @@ class Worker:
         """What ``run`` returns."""
         return None
 
+    def teardown_hazards(self) -> dict:
+        """Why interpreter teardown is unsafe for this process after a clean ``run`` (empty: it is
+        safe). A librdkafka client had to be abandoned (stuck in a call for good): destroying it at
+        exit could block."""
+        n = wedged_clients()
+        return {"abandoned_kafka_clients": n} if n else {}
+
     # -- the lifecycle -------------------------------------------------------------------------
     def stop(self) -> None:
         """Ask the main loop to finish (thread-safe)."""
@@ -238,10 +245,9 @@ class Worker:
                 restore()
                 if self.watchdog is not None:
                     self.watchdog.close()
-        if self.watchdog is not None and wedged_clients():
-            # A librdkafka client had to be abandoned (stuck in a call for good): destroying it at
-            # interpreter exit could block, so this process ends here, cleanly, after its output.
-            exit_without_teardown(0, kv(abandoned_kafka_clients=wedged_clients()))
+        hazards = self.teardown_hazards() if self.watchdog is not None else {}  # a process of its own
+        if hazards:  # this process ends here, cleanly, after its output
+            exit_without_teardown(0, kv(**hazards))
         return self.result()
 
     def start(self) -> None:

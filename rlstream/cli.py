@@ -244,18 +244,9 @@ def train(
 ) -> None:
     """Run the trainer: consume scored groups, train, publish versioned weights (resumes from its checkpoint)."""
     cfg = load(config, [*(set_ or []), *([f"trainer.engine.type={json.dumps(engine)}"] if engine else [])])
-    from consumers.trainer.engines.base import dist_env
     from consumers.trainer.worker import run
-    from pipeline.log import kv
-    from pipeline.worker import exit_without_teardown
 
-    run(cfg, max_steps=max_steps)
-    world = dist_env()[1]
-    if world > 1:
-        # A gloo worker thread that drops its last tensor while the interpreter finalizes aborts the
-        # process (SIGABRT, "terminate called without an active exception"; seen ~1 in 25 launches),
-        # and torchrun then calls the finished run failed. Everything is written and closed by now.
-        exit_without_teardown(0, kv(world=world))
+    run(cfg, max_steps=max_steps)  # a multi-rank run ends inside, without interpreter teardown
 
 
 @app.command("eval")

@@ -179,7 +179,7 @@ def two_rank_main(out: str) -> None:
             {"loss": loss, "grads": res.grads, "weights": weights, "world": eng.world_size, "n_micro": counts}, out
         )
     close_dist(eng.world_size)
-    exit_without_teardown(0, "two-rank test done")  # as ``rlstream train`` does (see rlstream.cli.train)
+    exit_without_teardown(0, "two-rank test done")  # as ``rlstream train`` does (Trainer.teardown_hazards)
 
 
 @pytest.mark.deepspeed

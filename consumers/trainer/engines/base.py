@@ -84,7 +84,7 @@ def close_dist(world: int) -> None:
     """Destroy the process groups of a multi-process run, if there are any. Every rank calls it once
     its last collective is done (what a multi-rank program should do before it exits). It does not
     stop gloo's worker threads while the model still holds the group, so a multi-rank command also
-    ends without interpreter teardown (``rlstream train``)."""
+    ends without interpreter teardown (``Trainer.teardown_hazards``)."""
     if world <= 1:
         return
     import torch.distributed as dist
