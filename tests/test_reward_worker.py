@@ -83,6 +83,7 @@ def test_failures_go_to_dlq_in_the_same_transaction_as_their_scored_neighbours(m
         "reward.pool_size=2",
         "reward.max_batch_size=8",
         "reward.max_batch_ms=5000",
+        "reward.batch_idle_ms=0",  # the eight already queued make one batch however slow the fetch
         "reward.worker_id=w-dlq",
         "reward.metrics_interval_s=0.5",
         f"reward.prometheus_port={port}",
@@ -151,6 +152,26 @@ class AbortOnce(RewardWorker):
             self.fails -= 1
             raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
         super()._commit(watch)
+
+
+def test_a_batch_closes_once_nothing_new_arrives(make_config):
+    """reward.batch_idle_ms: a batch of three that cannot fill (max_batch_size 100) is scored long
+    before max_batch_ms (5 minutes) runs out; with batch_idle_ms = 0 it would wait all of it."""
+    cfg = make_config(
+        "reward.executor=thread", "reward.max_batch_size=100", "reward.max_batch_ms=300000",
+        "reward.batch_idle_ms=50", "reward.max_poll_interval_ms=900000",
+    )  # fmt: skip
+    produce(cfg, [(b"g1", codec.encode("Trajectory", traj(i, "abc"))) for i in range(3)])
+    w = RewardWorker(cfg)
+
+    def transactions():  # the metrics exist once the worker is set up
+        return w.metrics.counters.get("transactions", 0) if w.metrics is not None else 0
+
+    with running(w):
+        assert wait_for(lambda: transactions() == 1, 120), "the batch never closed"
+        produce(cfg, [(b"g1", codec.encode("Trajectory", traj(i, "abc"))) for i in range(3, 5)])
+        assert wait_for(lambda: transactions() == 2, 120)
+        assert len(read_all(cfg, "scored", 5)) == 5
 
 
 def test_aborted_transaction_is_rewound_and_retried(make_config):

@@ -84,6 +84,10 @@ class RewardConfig(StrictModel):
     """Most rollouts scored and committed in one transaction."""
     max_batch_ms: int = Field(500, ge=1, le=600_000)
     """Longest a batch waits to fill once its first message arrived."""
+    batch_idle_ms: int = Field(20, ge=0, le=600_000)
+    """Close a batch early once this long passed with no new message (0: always wait max_batch_ms).
+    A lightly loaded stage then adds about this much to a step instead of max_batch_ms; under load
+    messages keep arriving and batches still fill."""
     overlap_commit: bool = False
     """Send batch N's offsets and commit its transaction on a commit thread while batch N+1 is read
     and scored (transaction N+1 begins once N has committed; a rebalance waits for the commit).

@@ -1,7 +1,8 @@
 """The reward worker (``rlstream reward``): a member of the reward consumer group that scores
 rollouts into the scored topic exactly once.
 
-Loop: collect a batch (up to ``max_batch_size`` messages or ``max_batch_ms``), decode and score it
+Loop: collect a batch (up to ``max_batch_size`` messages or ``max_batch_ms``, closed early after
+``batch_idle_ms`` without a new message), decode and score it
 in the pool (no consumer call while scoring), then in ONE Kafka transaction produce a
 ScoredTrajectory per good message and a DeadLetter per bad one (undecodable, wrong schema, reward
 raised, reward timed out), send the batch's next offsets with the consumer's group metadata, and
@@ -250,7 +251,8 @@ class RewardWorker(Worker):
 
     # -- the loop -------------------------------------------------------------------------------
     def _collect(self) -> list:
-        """Up to max_batch_size messages: wait idle_poll_s for a first one, then max_batch_ms to fill."""
+        """Up to max_batch_size messages: wait idle_poll_s for a first one, then up to max_batch_ms to
+        fill, in windows of batch_idle_ms; a window that brings nothing closes the batch."""
         rc = self.rc
         self._buffer = []
         first = self.consumer.poll(rc.idle_poll_s)
@@ -258,11 +260,16 @@ class RewardWorker(Worker):
             self._keep([first])
             self.metrics.consumed()
         deadline = time.monotonic() + rc.max_batch_ms / 1000
+        idle_s = rc.batch_idle_ms / 1000
         while self._buffer and not self.stop_event.is_set() and len(self._buffer) < rc.max_batch_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            self._keep(self.consumer.consume(rc.max_batch_size - len(self._buffer), remaining))
+            window = min(remaining, idle_s or rc.idle_poll_s)  # short windows: a stop is seen within one
+            got = self.consumer.consume(rc.max_batch_size - len(self._buffer), window)
+            self._keep(got)
+            if idle_s and not got:
+                break
         batch, self._buffer = self._buffer, []
         return batch
 

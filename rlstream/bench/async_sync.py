@@ -113,6 +113,7 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
         'reward.executor="thread"',
         "reward.pool_size=1",
         "reward.max_batch_ms=20",
+        "reward.batch_idle_ms=5",
         "reward.max_batch_size=128",
         "reward.timeout_s=2",
         "reward.metrics_interval_s=2",
