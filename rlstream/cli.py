@@ -341,6 +341,8 @@ def demo(
     ``--config``/``--set`` layer over the demo's settings (a config can replace the task)."""
     from rlstream.demo import DemoOptions, run
 
+    _sigterm_unwinds()
+
     opts = DemoOptions(
         steps=steps,
         k=max_staleness,
@@ -401,6 +403,7 @@ def run_(
     from rlstream.config import load_config
     from rlstream.job import kafka_for, resolve, run_job
 
+    _sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
     path, sets = sources(job, set_)
     flags = [f"trainer.max_steps={steps}"] if steps else []
     base = load_config(path, sets)
