@@ -91,6 +91,10 @@ class StaleRestarts:
     """Hold finished samples and regenerate those a load dooms."""
     margin: int = 0
     """Versions beyond the loaded one at which a complete message's held samples are checked."""
+    load_margin: int = 0
+    """The same look-ahead for the held samples of a message still generating, at each weight load:
+    ``margin`` under the token rule with ``interrupt`` reloads (the sample the message waits for
+    then carries tokens of every newer version, so the group trains late but trains), else 0."""
 
     @classmethod
     def of(cls, rc, staleness_rule: str, k: int) -> StaleRestarts:
@@ -98,7 +102,8 @@ class StaleRestarts:
         in_flight = rc.reload_policy == "interrupt" and scope in ("all", "in_flight") and not token_rule
         finished = bool(rc.stale_restarts) and scope in ("all", "finished")
         margin = rc.restart_margin if rc.restart_margin is not None else int(k >= 2)
-        return cls(rc.stale_restarts, k, token_rule, in_flight, finished, margin)
+        load_margin = margin if token_rule and rc.reload_policy == "interrupt" else 0
+        return cls(rc.stale_restarts, k, token_rule, in_flight, finished, margin, load_margin)
 
     def stale(self, s, version: int, finished: bool = False) -> bool:
         """``s`` would be dropped at trainer ``version``. In flight: by ``version_min``. Finished:
@@ -114,6 +119,14 @@ class StaleRestarts:
         if not self.margin or self.stale(last, soon, finished=True):
             return []
         return [x for x in done if x is not last and self.doomed(x, soon, finished=True)]
+
+    def held_doomed(self, s, loaded: int) -> bool:
+        """Held sample ``s`` is to be generated again at the weight load of version ``loaded``: the
+        trainer would drop it at ``loaded`` + ``load_margin``. Its message still waits for another
+        sample, and the trainer trains the group no earlier than the version that one finishes
+        under, so with a margin the held sample runs again now, beside that sample, rather than
+        after it (``likely_lost``) while the whole group waits."""
+        return self.doomed(s, loaded + self.load_margin, finished=True)
 
     def doomed(self, s, version: int, finished: bool = False) -> bool:
         """``s`` is stale at ``version`` and may be generated again."""

@@ -406,12 +406,13 @@ class RolloutWorker(Worker):
         self._release()
 
     def _restart_finished(self) -> None:
-        """Restart the held finished samples that the version just loaded makes certain to be
-        dropped as stale; they go first in the queue, since their message waits for them."""
+        """Restart the held finished samples that the trainer would drop at the version just loaded
+        plus ``restart_margin`` (``StaleRestarts.held_doomed``); they go first in the queue, since
+        their message waits for them, and now run beside the sample it still waits for."""
         if self.hold is None:
             return
         version = self.engine.version
-        self._regenerate(self.hold.take(lambda s: self.restarts.doomed(s, version, finished=True)))
+        self._regenerate(self.hold.take(lambda s: self.restarts.held_doomed(s, version)))
 
     def _regenerate(self, samples: list[Sample]) -> None:
         for s in samples:

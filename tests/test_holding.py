@@ -96,3 +96,16 @@ def test_likely_lost_and_reopen_send_a_complete_messages_stale_samples_round_aga
     done = hold.finished(c)
     hold.reopen(c, done, [a])
     assert hold.held() == 2 and hold.finished(a) == [b, c, a]  # the message waited for a alone
+
+
+def test_a_load_regenerates_held_samples_with_the_margin_only_where_the_waited_for_sample_trains():
+    held = gen(2, 2)  # finished under v2, its message still waiting for a long sample
+    token = StaleRestarts.of(rc(), "token", 2)  # token rule + interrupt: the long sample takes fresh tokens
+    assert token.load_margin == 1
+    assert not token.held_doomed(held, 3) and token.held_doomed(held, 4)  # dropped at 4 + 1 (5 - 2 > 2)
+    assert not token.doomed(held, 4, finished=True)  # without the margin it would wait for the drop
+    sample = StaleRestarts.of(rc(), "sample", 2)  # the long sample itself will be stale: no look-ahead
+    drain = StaleRestarts.of(rc(policy="drain"), "token", 2)  # it keeps its old tokens to the end
+    for p in (sample, drain):
+        assert p.margin == 1 and p.load_margin == 0 and not p.held_doomed(held, 4) and p.held_doomed(held, 5)
+    assert StaleRestarts.of(rc(), "token", 1).load_margin == 0  # margin 0 at k = 1
