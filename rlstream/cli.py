@@ -413,7 +413,7 @@ def run_(
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
-BENCHMARKS = ("async", "transport", "weights", "scaling")
+BENCHMARKS = ("async", "transport", "weights", "scaling", "ceiling")
 
 
 @app.command()
@@ -430,7 +430,7 @@ def bench(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Benchmarks (async vs sync, transport, weight notices, scaling); results as JSON + PNG, tables for the docs."""
+    """Benchmarks (async vs sync, transport, weight notices, scaling, scheduling ceiling); results as JSON + PNG, tables for the docs."""
     wanted = list(BENCHMARKS) if "all" in names else names
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown or size not in ("tiny", "full"):

@@ -34,7 +34,7 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
         timeout=400,
     )
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["results"]) == {"async", "transport", "weights", "scaling"}
+    assert set(summary["results"]) == {"async", "transport", "weights", "scaling", "ceiling"}
     assert summary["size"] == "tiny" and positive(summary["total_seconds"])
 
     a = json.loads((out / "async.json").read_text())
@@ -94,13 +94,18 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
     if s["runs"][0]["broker_cpu_ms_per_record"] is not None:  # None when the broker is not ours (KAFKA_BOOTSTRAP)
         assert positive(s["projection"]["broker_samples_per_s_per_core"])
 
+    c = json.loads((out / "ceiling.json").read_text())
+    assert {(r["k"], r["rule"]) for r in c["rows"]} == {(0, "sample"), (2, "sample"), (2, "token")}
+    for r in c["rows"]:
+        assert fraction(r["achieved_over_ideal"]) and fraction(r["stale_dropped_fraction"]), r
+
     for result in summary["results"].values():
         assert result["plots"]
         for png in result["plots"]:
             assert Path(png).stat().st_size > 1000
     text = docs.read_text()
     assert "Hand-written text stays." in text and "old table" not in text
-    for name in ("async", "transport", "weights", "scaling"):
+    for name in ("async", "transport", "weights", "scaling", "ceiling"):
         assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text
     assert "| engine | workload | k |" in text
     for png in (docs.parent / "img" / "bench").iterdir():

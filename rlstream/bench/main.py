@@ -3,7 +3,8 @@ one or a local broker started for the run), each requested benchmark in turn, th
 ``summary.json`` and, with ``--docs``, the generated tables of docs/benchmarks.md.
 
 Benchmarks are modules with ``run(ctx) -> result`` and ``table(result) -> markdown``; results
-carry the paths of their PNG plots. They print figures and assert nothing.
+carry the paths of their PNG plots. They print figures and assert nothing. A module with
+``NEEDS_KAFKA = False`` (the ceiling model) gets no broker when it runs alone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 import logging
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from rlstream.bench.harness import BenchContext, broker, machine, update_docs, write_json
@@ -21,12 +23,14 @@ BENCHMARKS = {
     "transport": "rlstream.bench.transport",
     "weights": "rlstream.bench.weights",
     "scaling": "rlstream.bench.scaling",
+    "ceiling": "rlstream.bench.ceiling",
 }
 TITLES = {
     "async": "async vs sync",
     "transport": "transport overhead",
     "weights": "weight-notice latency",
     "scaling": "scale on one broker",
+    "ceiling": "scheduling ceiling (event model)",
 }
 
 
@@ -52,7 +56,9 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"run_dir": str(out), "size": size, "machine": machine(), "results": {}}
     t0 = time.monotonic()
-    with broker(bootstrap or cfg.kafka.bootstrap_servers, say) as (bs, broker_pid):
+    needs_kafka = any(getattr(importlib.import_module(BENCHMARKS[n]), "NEEDS_KAFKA", True) for n in names)
+    kafka = broker(bootstrap or cfg.kafka.bootstrap_servers, say) if needs_kafka else nullcontext((None, None))
+    with kafka as (bs, broker_pid):
         ctx = BenchContext(out, bs, config_path, list(sets or []), size, run_id, say, profile, broker_pid=broker_pid)
         for name in names:
             mod = importlib.import_module(BENCHMARKS[name])
