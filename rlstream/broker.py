@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +39,8 @@ from pipeline.ports import free_port, pid_alive, port_open
 from rlstream.broker_security import SCRAM_MECHANISM, BrokerSecurity
 
 log = logging.getLogger(__name__)
+WATCH_GRACE_S = 30
+"""How long the watcher of an owned broker waits after SIGTERM before SIGKILL."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POM = Path(os.environ.get("RLSTREAM_KAFKA_POM", REPO_ROOT / "infra" / "kafka" / "pom.xml"))
 CACHE_DIR = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache" / "rlstream"))
@@ -126,6 +129,8 @@ class LocalBroker(BrokerSecurity):
         """The CA that signed the broker's certificate (``ssl.ca.location`` of its clients)."""
         self.formatfile = self.data_dir / "security.json"
         """The security mode (and SCRAM users) the storage was formatted with."""
+        self._watch: subprocess.Popen | None = None
+        """The watcher that stops the broker if this process dies (``start(owned=True)``)."""
 
     @property
     def secured(self) -> bool:
@@ -196,8 +201,10 @@ class LocalBroker(BrokerSecurity):
         props.update(self.cfg.properties)
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
-    def start(self, progress=print) -> dict:
-        """Start the broker unless it already runs; return its state. Idempotent."""
+    def start(self, progress=print, owned: bool = False) -> dict:
+        """Start the broker unless it already runs; return its state. Idempotent. ``owned``: this
+        process started it for itself, so it must not outlive this process, even one killed with
+        ``kill -9`` (``rlstream.broker_watch``); ``rlstream broker start`` leaves it running."""
         running = self.state()
         if running:
             progress(f"broker already running: pid {running['pid']} at {running['bootstrap']}")
@@ -254,6 +261,8 @@ class LocalBroker(BrokerSecurity):
                 start_new_session=True,  # not killed by the terminal's Ctrl-C; stopped by PID
             )
         self.pidfile.write_text(str(proc.pid))
+        if owned:
+            self._watch = self._start_watch(proc.pid)
         state = {
             "pid": proc.pid,
             "port": port,
@@ -275,11 +284,13 @@ class LocalBroker(BrokerSecurity):
         while not self._ready(port):
             if proc.poll() is not None:
                 self.pidfile.unlink(missing_ok=True)
+                self._reap_watch()
                 raise BrokerError(
                     f"broker exited with code {proc.returncode} during start; see {self.logfile}:\n{self.tail(30)}"
                 )
             if time.monotonic() > deadline:
                 self._kill(proc.pid)
+                self._reap_watch()
                 raise BrokerError(
                     f"broker did not accept connections within {self.cfg.start_timeout_s}s; see {self.logfile}"
                 )
@@ -296,6 +307,38 @@ class LocalBroker(BrokerSecurity):
         secured = f", SASL_SSL/{SCRAM_MECHANISM}, CA {self.ca_file}" if self.secured else ""
         progress(f"broker running: pid {proc.pid} at {state['bootstrap']}{secured} (started in {state['start_s']}s)")
         return state
+
+    def _start_watch(self, pid: int) -> subprocess.Popen | None:
+        """A process that stops broker ``pid`` once this one is gone (``rlstream.broker_watch``):
+        it waits on pidfds of both, opened here, so no reused PID can mislead it."""
+        if not hasattr(os, "pidfd_open"):
+            log.warning("no pidfd_open here: this broker would outlive a killed owner %s", kv(pid=pid))
+            return None
+        fds = (os.pidfd_open(os.getpid()), os.pidfd_open(pid))
+        try:
+            with open(self.logfile, "ab") as out:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "rlstream.broker_watch", *map(str, fds), str(WATCH_GRACE_S)],
+                    pass_fds=fds,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _reap_watch(self, timeout: float = 10.0) -> None:
+        """The broker is gone, so its watcher exits: collect it (no zombie in a long-lived owner)."""
+        if self._watch is not None:
+            try:
+                self._watch.wait(timeout)
+            except subprocess.TimeoutExpired:  # should not happen: it exits with the broker
+                log.warning("broker watcher still running; killing it %s", kv(pid=self._watch.pid))
+                self._watch.kill()
+                self._watch.wait()
+            self._watch = None
 
     def _previous_port(self) -> int | None:
         """With broker.port = 0, a restart reuses the last port if free, so clients reconnect."""
@@ -329,9 +372,11 @@ class LocalBroker(BrokerSecurity):
             return False
         if not pid_alive(pid):
             progress(f"broker not running (stale pid {pid})")
+            self._reap_watch()
             self._cleanup()
             return False
         self._kill(pid, timeout)
+        self._reap_watch()
         self._cleanup()
         progress(f"broker stopped (pid {pid})")
         return True

@@ -182,7 +182,7 @@ class BrokerOps:
     def ensure_running(self) -> None:
         for attempt in range(3):
             try:
-                self.broker.start(progress=self.say)
+                self.broker.start(progress=self.say, owned=True)
                 return
             except Exception as exc:
                 if attempt == 2:
@@ -383,7 +383,7 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
     chaos = injector = None
     status, audit, steps = "failed: did not start", None, []
     try:
-        bootstrap = opts.bootstrap or broker.start(progress=ops.say)["bootstrap"]
+        bootstrap = opts.bootstrap or broker.start(progress=ops.say, owned=True)["bootstrap"]
         cfg = resolve(config_path, sets, run_dir, run_id, bootstrap, p)
         p["groups_per_step"], p["max_steps"] = cfg.rl.groups_per_step, cfg.trainer.max_steps
         ops.say(f"run dir {run_dir}; plan {json.dumps(p)}")

@@ -132,7 +132,7 @@ def kafka_for(cfg, keep_broker: bool, say):
 
     broker = LocalBroker(cfg.broker)
     started_here = broker.state() is None
-    state = broker.start(progress=say)
+    state = broker.start(progress=say, owned=not keep_broker)
     try:
         yield state["bootstrap"]
     finally:

@@ -149,7 +149,7 @@ def main() -> None:
 
             data = stack.enter_context(tempfile.TemporaryDirectory(prefix="wsync-broker-"))
             broker = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=512))
-            bootstrap = broker.start(progress=print)["bootstrap"]
+            bootstrap = broker.start(progress=print, owned=True)["bootstrap"]
             stack.callback(broker.stop)
         cache = Path(tempfile.gettempdir()) / "rlstream-wsync-models"
         cache.mkdir(exist_ok=True)

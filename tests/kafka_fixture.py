@@ -39,7 +39,7 @@ def kafka_broker() -> Iterator[tuple[str, str]]:
     data = tempfile.mkdtemp(prefix="rlstream-test-broker-")
     broker = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=512))
     try:
-        state = broker.start(progress=lambda m: print(f"[kafka fixture] {m}"))
+        state = broker.start(progress=lambda m: print(f"[kafka fixture] {m}"), owned=True)
         yield state["bootstrap"], "local broker"
     finally:
         broker.stop(progress=lambda m: print(f"[kafka fixture] {m}"))

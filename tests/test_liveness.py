@@ -318,7 +318,7 @@ def test_scoring_goes_on_through_a_broker_restart_exactly_once(tmp_path):
     from tests.test_reward_worker import traj
 
     broker = LocalBroker(BrokerConfig(port=0, data_dir=tmp_path / "broker", heap_mb=512))
-    bootstrap = broker.start(progress=lambda m: None)["bootstrap"]
+    bootstrap = broker.start(progress=lambda m: None, owned=True)["bootstrap"]
     n = 240
     try:
         cfg = load_config(
@@ -355,7 +355,7 @@ def test_scoring_goes_on_through_a_broker_restart_exactly_once(tmp_path):
             for _ in range(24):
                 sup.check()
                 time.sleep(0.5)
-            broker.start(progress=lambda m: None)
+            broker.start(progress=lambda m: None, owned=True)
             feeder.join(120)
             producer.flush_patiently(120)
             producer.close()

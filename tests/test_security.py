@@ -134,7 +134,7 @@ def secured(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("security")
     broker = LocalBroker(BrokerConfig(port=0, data_dir=root / "broker", heap_mb=512, security="sasl_ssl", users=USERS))
-    state = broker.start(progress=lambda m: print(f"[secured broker] {m}"))
+    state = broker.start(progress=lambda m: print(f"[secured broker] {m}"), owned=True)
     try:
         bootstrap = state["bootstrap"]
         write_task(root / "task.jsonl")

@@ -71,7 +71,7 @@ def broker(bootstrap: str | None, say=print):
     data = tempfile.mkdtemp(prefix="rlstream-bench-broker-")
     b = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=768))
     try:
-        state = b.start(progress=say)
+        state = b.start(progress=say, owned=True)
         yield state["bootstrap"], state["pid"]
     finally:
         b.stop(progress=say)
