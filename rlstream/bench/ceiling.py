@@ -91,10 +91,14 @@ class Case:
     """``pull``: a worker with a free slot takes the next admissible group (what an ideal dispatcher
     achieves). ``paced``: the paced feed's placement (``producers.pacing``): a group goes out
     ``lead`` steps before admission, onto the prompts partition with the fewest messages not yet
-    committed (commits in offset order), and waits in that partition's worker."""
+    committed (commits in offset order), and waits on worker ``p mod workers``."""
 
 
 class Model:
+    """One run of the model: events on a heap (time, sequence, handler, args), handled in order
+    until the trainer has taken ``case.steps`` steps. ``restarts`` is the worker's
+    ``StaleRestarts``, applied to model samples as the worker applies it to its own."""
+
     def __init__(self, case: Case, sz: dict, plan: dict, eng, restarts):
         from producers.engines.sim import sample_length
 
