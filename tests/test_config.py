@@ -84,3 +84,14 @@ def test_resolved_config_files_never_hold_secrets(tmp_path):
     text = write_resolved(cfg, tmp_path, "x").read_text()
     assert "pw-123" not in text and "adminpw-1" not in text and "sk-1" not in text
     assert '"sasl.username" = "u"' in text and "max_new_tokens = 7" in text  # only the secrets go
+
+
+def test_consumers_re_check_a_full_fetch_queue_every_20_ms_unless_configured():
+    """librdkafka's default (1 s) stalled a consumer reading a backlog for ~0.9 s each time its
+    64 MB queue filled (pipeline.kafka.consumer.FETCH_QUEUE_BACKOFF_MS); kafka.consumer wins."""
+    from pipeline.kafka import Consumer, client_conf
+
+    default = Consumer(client_conf(load_config(None, [], environ={}), "t", kind="consumer"))
+    tuned = load_config(None, ['kafka.consumer={"fetch.queue.backoff.ms" = 5}'], environ={})
+    assert default._conf["fetch.queue.backoff.ms"] == 20
+    assert Consumer(client_conf(tuned, "t", kind="consumer"))._conf["fetch.queue.backoff.ms"] == 5

@@ -28,6 +28,14 @@ from pipeline.log import kv
 log = logging.getLogger(__name__)
 
 
+FETCH_QUEUE_BACKOFF_MS = 20
+"""librdkafka postpones a partition's next fetch by ``fetch.queue.backoff.ms`` (default 1000) once
+its local queue is over ``queued.max.messages.kbytes`` (64 MB). With 64 MB fetches, a consumer
+reading a backlog (a restarted trainer, the transport bench) then waited about 0.9 s each time it
+drained its queue: 11,300 against 80,000-96,000 messages/s of 10 KB, eight runs each
+(docs/benchmarks.md, transport). 20 ms only re-checks the queue more often."""
+
+
 class Consumer:
     """Consumer with manual commits; ``poll``/``consume`` turn ``msg.error()`` into ConsumeError
     (fatal and non-transient errors) or a log line (transient ones, which librdkafka recovers).
@@ -45,6 +53,7 @@ class Consumer:
             "partition.assignment.strategy": "cooperative-sticky",
             "fetch.max.bytes": 64 * 1024 * 1024,
             "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
             **conf,
         }
         if group_id:

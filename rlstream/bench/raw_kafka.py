@@ -20,6 +20,8 @@ import time
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from pipeline.kafka.consumer import FETCH_QUEUE_BACKOFF_MS
+
 
 def measure_throughput(bootstrap: str, messages: int, size: int, partitions: int = 8) -> dict:
     topic = f"bench-raw-{os.getpid()}-{int(time.time())}"
@@ -59,6 +61,7 @@ def measure_throughput(bootstrap: str, messages: int, size: int, partitions: int
             "enable.auto.commit": False,
             "fetch.max.bytes": 64 << 20,
             "max.partition.fetch.bytes": 16 << 20,
+            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,  # as rlstream's consumers: no 1 s stall
         }
     )
     c.assign([TopicPartition(topic, q, 0) for q in range(partitions)])

@@ -31,6 +31,7 @@ from confluent_kafka import Producer as RawProducer
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from pipeline.kafka.consumer import FETCH_QUEUE_BACKOFF_MS
 from rlstream.bench.harness import (
     BenchContext,
     log_line,
@@ -140,7 +141,8 @@ def raw_passthrough(bootstrap: str, messages: int, size: int, partitions: int = 
                 p.poll(0.01)
     p.flush(120)
     c = RawConsumer({"bootstrap.servers": bootstrap, "group.id": src, "enable.auto.commit": False,
-                     "auto.offset.reset": "earliest", "fetch.max.bytes": 64 << 20})  # fmt: skip
+                     "auto.offset.reset": "earliest", "fetch.max.bytes": 64 << 20,
+                     "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})  # fmt: skip
     c.assign([TopicPartition(src, q, 0) for q in range(partitions)])
     got = 0
     t0 = deadline = time.perf_counter()
