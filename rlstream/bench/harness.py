@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -228,8 +229,13 @@ def group_stable(cfg, group_id: str, members: int) -> bool:
 
 
 # ---- py-spy ------------------------------------------------------------------------------------
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH, else beside this Python (a venv that is not activated)."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
 def _start_profilers(sup, names: list[str], run_dir: Path) -> dict:
-    exe = shutil.which("py-spy")
+    exe = py_spy()
     if exe is None:
         return {}
     spies = {}

@@ -16,7 +16,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from rlstream.bench.harness import BenchContext, broker, machine, update_docs, write_json
+from rlstream.bench.harness import BenchContext, broker, machine, py_spy, update_docs, write_json
 
 BENCHMARKS = {
     "async": "rlstream.bench.async_sync",
@@ -56,6 +56,8 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"run_dir": str(out), "size": size, "machine": machine(), "results": {}}
     t0 = time.monotonic()
+    if profile and py_spy() is None:
+        say("[bench] --profile: py-spy not found (pip install py-spy); the benchmarks run without profiles")
     needs_kafka = any(getattr(importlib.import_module(BENCHMARKS[n]), "NEEDS_KAFKA", True) for n in names)
     kafka = broker(bootstrap or cfg.kafka.bootstrap_servers, say) if needs_kafka else nullcontext((None, None))
     with kafka as (bs, broker_pid):
