@@ -1,5 +1,5 @@
 """Stops a local broker when the process that started it for itself dies (``LocalBroker.start``
-with ``owner_pid``): a bench, ``rlstream run``/``demo`` with no broker running, chaos, the test
+with ``owned=True``): a bench, ``rlstream run``/``demo`` with no broker running, chaos, the test
 fixture. Such a broker must not outlive its owner, even when the owner is killed with ``kill -9``
 or aborts in native code (a librdkafka assertion once did, in chaos).
 

@@ -34,6 +34,12 @@ its local queue is over ``queued.max.messages.kbytes`` (64 MB). With 64 MB fetch
 reading a backlog (a restarted trainer, the transport bench) then waited about 0.9 s each time it
 drained its queue: 11,300 against 80,000-96,000 messages/s of 10 KB, eight runs each
 (docs/benchmarks.md, transport). 20 ms only re-checks the queue more often."""
+FETCH_DEFAULTS = {
+    "fetch.max.bytes": 64 * 1024 * 1024,
+    "max.partition.fetch.bytes": 16 * 1024 * 1024,
+    "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+}
+"""How rlstream's consumers fetch (and the benchmarks' raw references, for a like comparison)."""
 
 
 class Consumer:
@@ -51,9 +57,7 @@ class Consumer:
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
             "partition.assignment.strategy": "cooperative-sticky",
-            "fetch.max.bytes": 64 * 1024 * 1024,
-            "max.partition.fetch.bytes": 16 * 1024 * 1024,
-            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+            **FETCH_DEFAULTS,
             **conf,
         }
         if group_id:

@@ -127,14 +127,20 @@ def common_sets(sz: dict, k: int, source: Path) -> list[str]:
     ]
 
 
-def sim_plan(sz: dict, workload: str, balance: float = 1.0) -> tuple[list[str], dict]:
-    """The sim engines' settings and the ideal-overlap bound they imply."""
+def sim_engine(sz: dict, workload: str):
+    """The rollout sim engine's config for a size and workload (``SimEngineConfig``)."""
     from producers.config import SimEngineConfig
-    from producers.engines.sim import expected_length
 
-    eng = SimEngineConfig(
+    return SimEngineConfig(
         token_latency_s=sz["latency"], median_tokens=sz["median"], clip_tokens=sz["clip"], **WORKLOADS[workload]
     )
+
+
+def sim_plan(sz: dict, workload: str, balance: float = 1.0) -> tuple[list[str], dict]:
+    """The sim engines' settings and the ideal-overlap bound they imply."""
+    from producers.engines.sim import expected_length
+
+    eng = sim_engine(sz, workload)
     mean_len = expected_length(eng, sz["clip"], 50_000)
     slots = sz["workers"] * sz["inflight"]
     gen = slots / (sz["latency"] * mean_len)

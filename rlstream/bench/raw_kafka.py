@@ -20,7 +20,7 @@ import time
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from pipeline.kafka.consumer import FETCH_QUEUE_BACKOFF_MS
+from pipeline.kafka.consumer import FETCH_DEFAULTS
 
 
 def measure_throughput(bootstrap: str, messages: int, size: int, partitions: int = 8) -> dict:
@@ -59,9 +59,7 @@ def measure_throughput(bootstrap: str, messages: int, size: int, partitions: int
             "bootstrap.servers": bootstrap,
             "group.id": topic,
             "enable.auto.commit": False,
-            "fetch.max.bytes": 64 << 20,
-            "max.partition.fetch.bytes": 16 << 20,
-            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,  # as rlstream's consumers: no 1 s stall
+            **FETCH_DEFAULTS,  # as rlstream's consumers fetch
         }
     )
     c.assign([TopicPartition(topic, q, 0) for q in range(partitions)])
