@@ -50,3 +50,10 @@ def test_the_cli_runs_the_model_without_a_broker(tmp_path):
     assert "broker running" not in proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "b" / "ceiling.json").read_text())["rows"]
     assert len(rows) == 12 and all(0 < r["achieved_over_ideal"] <= 1 for r in rows)
+
+
+def test_the_model_repeats_exactly():
+    """Run after run, in one process: nothing may follow a set's order (object ids)."""
+    for case in (Case(2, "token", "rollout", "none", 400), Case(2, "sample", "rollout", "measured", 400)):
+        first = simulate(case)
+        assert all(simulate(case) == first for _ in range(3)), case

@@ -226,26 +226,30 @@ class Model:
             self.held[s.g].append(s)
         self.dispatch()
 
+    @staticmethod
+    def requeue(w: Worker, s: Sample) -> None:
+        """``s`` starts again from its prompt, first in ``w``'s queue (its scheduled end is void)."""
+        s.restarts += 1
+        s.version_min = s.version_max = None
+        s.epoch += 1
+        w.ready.appendleft(s)
+
     def regenerate(self, w: Worker, samples: list[Sample]) -> None:
+        """Held (finished) samples run again: their group waits for them."""
         for s in samples:
-            s.restarts += 1
-            s.version_min = s.version_max = None
-            s.epoch += 1
             self.left[s.g] += 1
             self.regenerated += 1
-            w.ready.appendleft(s)
+            self.requeue(w, s)
 
     def load(self, w: Worker, version: int, consumed: int) -> None:
         w.version, w.consumed = version, consumed
-        for s in [s for s in w.running if self.restarts.doomed(s, version)]:  # in flight (sample rule)
+        # sorted: a set's order follows object ids and insertion, and the model must be repeatable
+        for s in sorted((s for s in w.running if self.restarts.doomed(s, version)), key=lambda s: (s.g, s.i)):
             w.running.discard(s)
             self.slot_s += self.t - s.started
-            s.restarts += 1
-            s.version_min, s.epoch = None, s.epoch + 1
             self.restarted += 1
-            w.ready.appendleft(s)
-        groups = {s.g for s in w.running} | {s.g for s in w.ready}
-        for g in groups:
+            self.requeue(w, s)
+        for g in sorted({s.g for s in w.running} | {s.g for s in w.ready}):
             again = [s for s in self.held.get(g, []) if self.restarts.held_doomed(s, version)]
             if again:
                 self.held[g] = [x for x in self.held[g] if x not in again]
@@ -313,15 +317,13 @@ class Model:
 
 def simulate(case: Case, workload: str = "long-tail") -> dict:
     """One model run of the async bench's full-size sim case (``k``, ``rule``) under ``case``."""
-    from producers.config import RolloutConfig, SimEngineConfig
+    from producers.config import RolloutConfig
     from producers.holding import StaleRestarts
-    from rlstream.bench.async_sync import PROMPT_TOKENS, SIZES, WORKLOADS, sim_plan
+    from rlstream.bench.async_sync import PROMPT_TOKENS, SIZES, sim_engine, sim_plan
 
     sz = {**SIZES["full"]["sim"], "prompt_tokens": PROMPT_TOKENS}
     _, plan = sim_plan(sz, workload)
-    eng = SimEngineConfig(
-        token_latency_s=sz["latency"], median_tokens=sz["median"], clip_tokens=sz["clip"], **WORKLOADS[workload]
-    )
+    eng = sim_engine(sz, workload)
     rc = RolloutConfig(reload_policy="interrupt", stale_restarts=1)  # as the async bench sets them
     model = Model(case, sz, plan, eng, StaleRestarts.of(rc, case.rule, case.k))
     return model.run()
