@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import string
 import tempfile
@@ -22,10 +21,10 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from pipeline.config import StrictModel
+from pipeline.model_import import MODEL_CACHE, resolve_model_path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
-MODEL_CACHE = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache" / "rlstream")) / "models"
 
 
 class TinyModelConfig(StrictModel):
@@ -54,7 +53,9 @@ class TinyModelConfig(StrictModel):
 class PretrainedModelConfig(StrictModel):
     type: Literal["pretrained"] = "pretrained"
     path: Path
-    """Local directory with config.json, weights and tokenizer (HF format). Never downloaded."""
+    """A local HF model directory (config.json, weights, tokenizer), a llama-family ``.gguf`` file, or
+    a packaged model's name (``smollm2-135m-instruct``); GGUF files are imported once into the model
+    cache (``rlstream model import``). Never downloaded."""
 
 
 ModelConfig = Annotated[TinyModelConfig | PretrainedModelConfig, Field(discriminator="type")]
@@ -106,9 +107,7 @@ def materialize(cfg, cache_dir: Path | None = None) -> Path:
     """A directory holding the model (config, safetensors weights, tokenizer). Idempotent and
     safe when several processes call it at once (built in a temp dir, then renamed)."""
     if isinstance(cfg, PretrainedModelConfig):
-        if not (cfg.path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {cfg.path} has no config.json")
-        return cfg.path
+        return resolve_model_path(cfg.path)
     root = Path(cache_dir or MODEL_CACHE)
     target = root / f"tiny-{cfg.key()}"
     if (target / "done.json").is_file():

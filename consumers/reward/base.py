@@ -44,6 +44,7 @@ REWARDS = Registry(
         "math": "consumers.reward.builtin:math_answer",
         "overlong_penalty": "consumers.reward.builtin:overlong_penalty",
         "env_reward": "consumers.reward.builtin:env_reward",
+        "reasoning_gym": "consumers.reward.reasoning_gym:reasoning_gym_reward",
         "code": "consumers.reward.code:code_tests",
         "http": "consumers.reward.http:http_reward",
         "openai_judge": "consumers.reward.http:openai_judge",

@@ -29,6 +29,9 @@ class TorchEngineConfig(StrictModel):
     """Recompute activations in backward (less memory, ~30% more compute)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend under torchrun; auto: nccl on cuda, gloo on cpu."""
+    threads: int = Field(0, ge=0, le=1024)
+    """torch intra-op threads on the CPU (0 = torch's default, one per core); set it when rollout
+    workers share the machine, so the processes do not oversubscribe its cores."""
 
 
 class DeepSpeedEngineConfig(StrictModel):

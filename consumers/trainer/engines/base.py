@@ -142,18 +142,52 @@ def token_logprobs(model, mb, entropy: bool = False, autocast_dtype=None):
         kw["position_ids"] = mb.position_ids
     else:
         kw["attention_mask"] = mb.attention_mask
+    # Only positions from the first trained one on need logits: the vocabulary projection and its
+    # log-softmax are a large share of a small model's step (SmolLM2-135M: a 49k vocabulary), and the
+    # prompt's positions are never trained. Earlier positions get logprob 0 (masked by token_mask).
+    width = mb.targets.shape[1]
+    first = _first_trained(mb.token_mask)
+    if first > 0:
+        kw["logits_to_keep"] = width + 1 - first
     device_type = mb.input_ids.device.type
     ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     with ctx:
         out = model(**kw)
     logits = out.logits[:, :-1].float()
-    picked = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+    picked = logits.gather(-1, mb.targets[:, first:].unsqueeze(-1)).squeeze(-1)
     lse = torch.logsumexp(logits, dim=-1)
-    logp = picked - lse
+    logp = _pad_front(picked - lse, first)
     if not entropy:
         return logp
     ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
+    return logp, _pad_front(ent, first)
+
+
+def untied(state: dict) -> dict:
+    """``state`` with every tensor that shares storage with an earlier one left out (a tied output
+    embedding is the input embedding: SmolLM2's 113 MB ``lm_head.weight`` would be written twice).
+    Loaders re-tie it (``tie_weights``; vLLM and HF skip the tied name)."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key not in seen:
+            seen.add(key)
+            out[k] = v
+    return out
+
+
+def _first_trained(token_mask) -> int:
+    """Index of the first shifted position any row trains on (0 if none)."""
+    cols = token_mask.detach().abs().sum(0).nonzero()
+    return int(cols[0]) if len(cols) else 0
+
+
+def _pad_front(t, n: int):
+    import torch
+
+    if n == 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], n), t], dim=1)
 
 
 def forward_loss(model, mb, loss_fn, autocast_dtype=None):

@@ -31,6 +31,7 @@ from consumers.trainer.engines.base import (
     lr_lambda,
     merge_stats,
     token_logprobs,
+    untied,
 )
 from pipeline.log import kv
 from pipeline.models import load_model
@@ -50,6 +51,8 @@ class TorchEngine(TrainEngine):
         if self.world_size > 1 and not torch.distributed.is_initialized():
             backend = ecfg.backend if ecfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
             torch.distributed.init_process_group(backend, timeout=timedelta(seconds=trainer_cfg.dist_timeout_s))
+        if ecfg.threads:
+            torch.set_num_threads(ecfg.threads)
         torch.manual_seed(trainer_cfg.seed)
         self.autocast = torch.bfloat16 if ecfg.dtype == "bfloat16" else None
         self.module = load_model(model_dir, dtype="float32", device=str(self.device))  # float32 masters
@@ -122,7 +125,7 @@ class TorchEngine(TrainEngine):
             return None
         if self.lora is not None:
             return lora.adapter_state(self.module)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in untied(self.module.state_dict()).items()}
 
     def adapter_config(self) -> dict | None:
         return lora.adapter_config(self.module) if self.lora is not None else None
