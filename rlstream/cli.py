@@ -445,12 +445,15 @@ def run_(
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
-BENCHMARKS = ("async", "transport", "weights", "scaling", "ceiling")
+BENCHMARKS = ("async", "transport", "weights", "scaling", "ceiling", "learn", "trl")
+ALL = ("async", "transport", "weights", "scaling", "ceiling")  # learn and trl take hours at full size: by name
 
 
 @app.command()
 def bench(
-    names: Annotated[list[str], typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all.")],
+    names: Annotated[
+        list[str], typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all (all but learn and trl).")
+    ],
     size: str = typer.Option("full", "--size", help="tiny (CI smoke test) | full (the documented run)."),
     engine: str = typer.Option("sim,hf", "--engine", help="async: comma list of sim (load generator) and hf."),
     out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/bench-<id>)."),
@@ -459,11 +462,12 @@ def bench(
         None, "--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker)."
     ),
     profile: bool = typer.Option(False, "--profile", help="Record py-spy profiles of the worker processes."),
+    budget_s: float = typer.Option(0, "--budget-s", help="learn, trl: wall-clock budget of each run (0 = the size's)."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Benchmarks (async vs sync, transport, weight notices, scaling, scheduling ceiling); results as JSON + PNG, tables for the docs."""
-    wanted = list(BENCHMARKS) if "all" in names else names
+    """Benchmarks (async vs sync, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl); results as JSON + PNG, tables for the docs."""
+    wanted = list(ALL) if "all" in names else names
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown or size not in ("tiny", "full"):
         raise typer.BadParameter(f"unknown benchmark(s) {unknown}" if unknown else "--size must be tiny or full")
@@ -472,7 +476,8 @@ def bench(
     _sigterm_unwinds()
     path, sets = sources(config, set_)
     cfg = load(config, set_, resolve=False)
-    run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print)
+    run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print,
+        extra={"budget_s": budget_s} if budget_s else None)  # fmt: skip
 
 
 if __name__ == "__main__":

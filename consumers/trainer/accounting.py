@@ -82,6 +82,9 @@ def account_step(
         "consumed_groups": consumed,
         "staleness": {str(d): n for d, n in lags.items()},
         **{k: gauges[k] for k in LOGGED_GAUGES},
+        # mean |trainer logprob - engine logprob| per trained token before the update: at staleness
+        # 0 the engine/trainer numerical mismatch (dtype, kernels), beyond it also the policy's drift
+        **({"logp_diff": gauges["loss_logp_diff"]} if "loss_logp_diff" in gauges else {}),
     }
     if token_rule:
         entry["token_masked"] = masked

@@ -24,13 +24,20 @@ BENCHMARKS = {
     "weights": "rlstream.bench.weights",
     "scaling": "rlstream.bench.scaling",
     "ceiling": "rlstream.bench.ceiling",
+    "learn": "rlstream.bench.learn",
+    "trl": "rlstream.bench.trl_peer",
 }
+LONG = {"learn", "trl"}
+"""Not part of ``bench all``: an hour or more per run at the full size (run them by name)."""
+ALL = [n for n in BENCHMARKS if n not in LONG]
 TITLES = {
     "async": "async vs sync",
     "transport": "transport overhead",
     "weights": "weight-notice latency",
     "scaling": "scale on one broker",
     "ceiling": "scheduling ceiling (event model)",
+    "learn": "staleness against quality (real model)",
+    "trl": "TRL's GRPOTrainer side by side (real model)",
 }
 
 
@@ -46,6 +53,7 @@ def run(
     profile: bool = False,
     engines: list[str] | None = None,
     say=print,
+    extra: dict | None = None,
 ) -> dict:
     """Run the named benchmarks; returns the summary (``results`` by name, ``run_dir``). ``cfg`` is
     the user's resolved config (run_dir, Kafka); ``config_path``/``sets`` are layered under each
@@ -61,7 +69,9 @@ def run(
     needs_kafka = any(getattr(importlib.import_module(BENCHMARKS[n]), "NEEDS_KAFKA", True) for n in names)
     kafka = broker(bootstrap or cfg.kafka.bootstrap_servers, say) if needs_kafka else nullcontext((None, None))
     with kafka as (bs, broker_pid):
-        ctx = BenchContext(out, bs, config_path, list(sets or []), size, run_id, say, profile, broker_pid=broker_pid)
+        ctx = BenchContext(
+            out, bs, config_path, list(sets or []), size, run_id, say, profile, dict(extra or {}), broker_pid
+        )
         for name in names:
             mod = importlib.import_module(BENCHMARKS[name])
             say(f"[bench] {name}: starting ({size})")
@@ -77,8 +87,9 @@ def run(
     summary["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(out / "summary.json", summary)
     if docs:
-        cmd = f"rlstream bench {'all' if len(names) == len(BENCHMARKS) else ' '.join(names)} --size {size}"
+        cmd = f"rlstream bench {'all' if names == ALL else ' '.join(names)} --size {size}"
         cmd += " --profile" if profile else ""
+        cmd += f" --budget-s {extra['budget_s']:g}" if extra and extra.get("budget_s") else ""
         for name, result in summary["results"].items():
             mod = importlib.import_module(BENCHMARKS[name])
             imgs = [Path(p) for p in result.get("plots", [])]
