@@ -164,8 +164,9 @@ def test_the_real_recipe_trains_two_steps_and_resumes_to_a_third(cli_env, tmp_pa
                               env=cli_env, capture_output=True, text=True, timeout=900)  # fmt: skip
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         assert [s["step"] for s in _steps(run_dir)] == list(range(1, steps + 1))
-    ckpt = sorted((run_dir / "checkpoints").glob("v*/model.safetensors"))
-    assert ckpt and ckpt[-1].stat().st_size < 600e6  # the tied embedding is written once (538 MB of weights)
+    newest = sorted((run_dir / "checkpoints").glob("v*"))[-1]
+    weights = sum(f.stat().st_size for f in newest.glob("*.safetensors"))
+    assert 500e6 < weights < 600e6  # the tied embedding is written once (538 MB; 651 MB when written twice)
 
     same = [*small, f"topics.prefix={cli_env['RLSTREAM_TOPICS__PREFIX']}", f"run_dir={cli_env['RLSTREAM_RUN_DIR']}"]
     cfg = resolve(RECIPE, same, bootstrap=cli_env["RLSTREAM_KAFKA__BOOTSTRAP_SERVERS"])
