@@ -30,7 +30,7 @@ from pipeline.config import dump_toml
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
-from rlstream.progress import Progress, render
+from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
 from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
 from rlstream.tracking import Tracker
@@ -294,17 +294,18 @@ class Launcher:
     def finish_report(self, extra: dict) -> dict:
         """Add the step log figures, write report.json and the plots; print the summary line."""
         steps_log = self.progress.steps
-        first = [s["reward_mean"] for s in steps_log[:10]]
-        last = [s["reward_mean"] for s in steps_log[-10:]]
+        rewarded = [s for s in steps_log if s["reward_mean"] is not None]  # not the all-stale steps
         r = self.report
         r.update(extra)
         r.update(
             {
                 "wall_time_s": round(time.monotonic() - self.t_start, 1),
                 "steps_completed": steps_log[-1]["step"] if steps_log else 0,
-                "reward_first10_mean": sum(first) / len(first) if first else None,
-                "reward_last10_mean": sum(last) / len(last) if last else None,
-                "reward_curve": [[s["step"], round(s["reward_mean"], 4)] for s in steps_log],
+                "reward_first10_mean": mean_reward(rewarded[:10]),
+                "reward_last10_mean": mean_reward(rewarded[-10:]),
+                "reward_curve": [
+                    [s["step"], None if s["reward_mean"] is None else round(s["reward_mean"], 4)] for s in steps_log
+                ],
                 "staleness_histogram": self.progress.staleness(),
                 "eval_curve": self.progress.eval_curve(),
                 "steps": steps_log,
