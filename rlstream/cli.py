@@ -303,15 +303,32 @@ def train(
 @app.command("eval")
 def eval_(
     source: Annotated[Path | None, typer.Argument(help="Held-out dataset (eval.source).")] = None,
+    version: int | None = typer.Option(
+        None, "--version", min=0, help="Evaluate this published version once, print the result and exit."
+    ),
+    latest: bool = typer.Option(False, "--latest", help="Evaluate the newest published version once and exit."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Evaluate while training: every eval.every_versions published versions, generate on a held-out
-    dataset and publish mean reward and pass@1 per version to the metrics topic."""
+    """Evaluate while training: version 0, every eval.every_versions published versions and the final
+    one, generated on a held-out dataset, with mean reward and pass@1 per version published to the
+    metrics topic. With --version N or --latest: that one version, once; the result is printed."""
+    if latest and version is not None:
+        raise typer.BadParameter("give --version N or --latest, not both")
     cfg = load(config, [*(set_ or []), *([f"eval.source={json.dumps(str(source))}"] if source else [])])
     from rlstream.eval import run
 
-    run(cfg)
+    results = run(cfg, version=version, latest=latest)
+    if (latest or version is not None) and results:
+        r = results[-1]
+        console.print(
+            f"v{r['version']}: pass@1 {r['eval_pass_at_1']:.3f}, mean reward {r['eval_reward_mean']:.3f} over "
+            f"{r['eval_answers']} answers ({r['eval_unscored']} unscored) in {r['eval_s']:.1f} s; "
+            f"answers in {r['answers_file']}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        print(json.dumps({k.removeprefix("eval_"): v for k, v in r.items()}))
 
 
 @app.command()

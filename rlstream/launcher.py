@@ -3,7 +3,8 @@ as supervised ``rlstream`` processes, with a live view, restarts, and a report a
 
 Steps (each a method of ``Launcher``): ``prepare`` (topics, the model built once, the resolved
 config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
-refresh lags, restart dead or hung roles, stop when the trainer finishes) → ``stop_roles`` →
+refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
+its final version is evaluated) → ``stop_roles`` →
 ``write_report``. ``run(tick=...)`` calls ``tick()`` once per watch round, so a caller can act on
 the live run (``rlstream chaos`` injects its faults there and adds roles with ``add_role``); a
 string it returns ends the watch with that status. A role counts as hung when its process is alive but has published no
@@ -97,6 +98,7 @@ class Launcher:
         self.hang_after_s = 2 * cfg.liveness.watchdog_s + 30
         self._last_tracked = 0.0
         self._worker_of = {self._worker_id(r): r.name for r in roles}
+        self._trainer_done_at: float | None = None
 
     def _worker_id(self, r: RoleSpec) -> str:
         if r.command == "train":
@@ -197,7 +199,7 @@ class Launcher:
                 elif now - last_print > 10:
                     self.console.print(self._line(), highlight=False)
                     last_print = now
-                if "trainer" in finished:
+                if "trainer" in finished and self._final_eval_done(sup):
                     return "ok"
                 if tick is not None and (outcome := tick()):
                     return outcome
@@ -214,6 +216,27 @@ class Launcher:
                 view.stop()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _final_eval_done(self, sup: Supervisor) -> bool:
+        """The trainer has finished: with an eval role, the run ends once it has evaluated the final
+        version (its ``eval_final`` event). Meanwhile the roles that feed the trainer are stopped,
+        so the evaluation has the machine; the wait is bounded by ``liveness.slow_op_s`` (the eval's
+        own watchdog limit for one evaluation)."""
+        evals = [r.name for r in self.roles if r.command == "eval"]
+        final = self.progress.steps[-1]["version"] if self.progress.steps else 0  # the trainer's newest
+        if not evals or not self.cfg.trainer.max_steps or (self.progress.final_eval or -1) >= final:
+            return True  # (an earlier run's final evaluation, on the topic too, is of a lower version)
+        now = time.monotonic()
+        if self._trainer_done_at is None:
+            self._trainer_done_at = now
+            for r in self.roles:
+                if r.command not in ("eval", "train"):
+                    sup.retire(r.name, self.cfg.liveness.shutdown_timeout_s + 10, "trainer finished")
+            self.console.print("trainer finished; waiting for the evaluation of the final version", highlight=False)
+        if now - self._trainer_done_at > self.cfg.liveness.slow_op_s:
+            self.console.print("[yellow]the final version was not evaluated in time; stopping[/]")
+            return True
+        return False
+
     def _drain_metrics(self, metrics: Consumer, timeout: float) -> None:
         for m in metrics.consume(1000, timeout):
             try:

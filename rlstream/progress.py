@@ -28,7 +28,7 @@ class Progress:
         self.evals: dict[int, dict] = {}
         """version -> {reward_mean, pass_at_1, answers} from ``rlstream eval``."""
         self.final_eval: int | None = None
-        """The run's final version, once ``rlstream eval`` has evaluated it (``eval_final``)."""
+        """The newest version ``rlstream eval`` evaluated as a run's final one (``eval_final``)."""
 
     def add(self, ev: dict) -> None:
         key = f"{ev['role']}/{ev['worker_id']}"
@@ -39,7 +39,7 @@ class Progress:
                 "reward_mean": m["eval_reward_mean"], "pass_at_1": m.get("eval_pass_at_1"), "answers": m.get("eval_answers")
             }  # fmt: skip
             if m.get("eval_final"):
-                self.final_eval = ev["version"]
+                self.final_eval = max(ev["version"], self.final_eval or 0)
         if ev["role"] == "trainer" and "step" in m and "reward_mean" in m:
             step = int(m["step"])
             if self.steps and self.steps[-1]["step"] >= step:
