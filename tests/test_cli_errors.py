@@ -70,3 +70,25 @@ def test_user_mistakes_are_one_line_without_a_traceback(args, said, tmp_path):
     (tmp_path / "a-file").write_text("")
     line, _ = one_line(["-s", "liveness.broker_check_s=0", *args], tmp_path)  # the mistake, not the broker
     assert said in line, line
+
+
+def test_librdkafka_lines_go_to_the_python_log_a_repeated_one_once_per_window(caplog):
+    """Not raw ``%3|...`` lines on the terminal: every client's ``logger`` is the ``librdkafka``
+    Python logger, and a failed reconnect repeated every few ms is written once per window."""
+    import logging
+
+    from pipeline.kafka import client_conf
+    from pipeline.kafka.common import _RDKAFKA, _RdkafkaLog
+    from rlstream.config import load_config
+
+    assert client_conf(load_config(None, [], environ={}), "x")["logger"] is _RDKAFKA
+    lg = _RdkafkaLog()
+    line = "127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused (after {}ms in state CONNECT)"
+    with caplog.at_level(logging.INFO, logger="librdkafka"):
+        for ms in (0, 1, 2):
+            lg.log(logging.ERROR, "%s [%s] %s", "FAIL", "rlstream-x#consumer-1", line.format(ms))
+        lg.window_s = 0.0  # the window has passed
+        lg.log(logging.ERROR, "%s [%s] %s", "FAIL", "rlstream-x#consumer-1", line.format(5))
+    said = [r.getMessage() for r in caplog.records if r.name == "librdkafka"]
+    assert len(said) == 2 and said[0].startswith("FAIL [rlstream-x#consumer-1]")
+    assert said[1].endswith("(2 more like it since the last one)")

@@ -37,6 +37,9 @@ _auth_error: list = []
 """The newest authentication/TLS failure librdkafka reported (its error callback), if any."""
 
 
+_AFTER_MS = re.compile(r"\s*\(after \d+ms in state \w+\)")
+
+
 class _RdkafkaLog:
     """The ``logger`` of every client: librdkafka's lines go to ``RDKAFKA_LOG``. A line that repeats
     (a failed reconnect every few milliseconds while a broker is away) is written once per
@@ -60,10 +63,9 @@ class _RdkafkaLog:
             if len(self._seen) > 1000:
                 self._seen.clear()
             self._seen[key] = (now, 0)
-        RDKAFKA_LOG.log(level, "%s%s", text, f" ({repeats} more like it in {self.window_s:g} s)" if repeats else "")
+        RDKAFKA_LOG.log(level, "%s%s", text, f" ({repeats} more like it since the last one)" if repeats else "")
 
 
-_AFTER_MS = re.compile(r"\s*\(after \d+ms in state \w+\)")
 _RDKAFKA = _RdkafkaLog()
 
 
