@@ -99,6 +99,7 @@ class Launcher:
         self._last_tracked = 0.0
         self._worker_of = {self._worker_id(r): r.name for r in roles}
         self._trainer_done_at: float | None = None
+        self._retired: list[str] = []
 
     def _worker_id(self, r: RoleSpec) -> str:
         if r.command == "train":
@@ -163,6 +164,9 @@ class Launcher:
         finally:
             lags_done.set()
             codes = sup.stop_all(timeout=self.cfg.liveness.shutdown_timeout_s + 10)
+            retired = {e["name"]: e["code"] for e in sup.events if e["event"] in ("stopped", "stop_timeout")
+                       and e["name"] in self._retired}  # fmt: skip
+            codes = {**retired, **codes}  # the roles stopped before the final evaluation too
             self._drain_metrics(metrics, 1.0)
             metrics.close()
             self.tracker.close()
@@ -231,6 +235,7 @@ class Launcher:
             for r in self.roles:
                 if r.command not in ("eval", "train"):
                     sup.retire(r.name, self.cfg.liveness.shutdown_timeout_s + 10, "trainer finished")
+                    self._retired.append(r.name)
             self.console.print("trainer finished; waiting for the evaluation of the final version", highlight=False)
         if now - self._trainer_done_at > self.cfg.liveness.slow_op_s:
             self.console.print("[yellow]the final version was not evaluated in time; stopping[/]")

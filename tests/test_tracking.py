@@ -59,6 +59,7 @@ def test_rlstream_track_follows_the_metrics_topic(make_config):
         for step in (1, 2, 3):
             m.set("step", step)
             m.set("reward_mean", step / 10)
+            m.set("version_lag_0", 8)  # the step trained 8 samples (as the trainer reports them)
             m.publish()
     worker = TrackWorker(cfg)
     stop = threading.Event()
