@@ -113,6 +113,12 @@ def atomic_write_bytes(uri: str, data: bytes) -> None:
     fs.mv(tmp, path)  # a rename on local disks; object stores make a whole object visible at once
 
 
+def exists(uri: str) -> bool:
+    """Whether the checkpoint file ``uri`` (one safetensors file or a sharded index) is in its store."""
+    fs, path = _fs(uri)
+    return fs.exists(path)
+
+
 def version_dir(store: str, version: int) -> str:
     return join(store, f"v{version:08d}")
 

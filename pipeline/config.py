@@ -171,6 +171,11 @@ class LivenessConfig(StrictModel):
     loading, topic not created yet) with backoff for this long, then fails with a clear message."""
     outage_s: float = Field(300.0, ge=1, le=86_400)
     """A broker outage shorter than this is ridden out: produce/flush/commit wait and retry."""
+    broker_check_s: float = Field(5.0, ge=0, le=3600)
+    """A command run by hand (not by rlstream's supervisor) first checks that a broker answers
+    within this long and, if none does, stops with one line and exit code 2. 0 = no check: the
+    command then waits for the cluster up to ``startup_timeout_s`` like a supervised role (for
+    deployments that start roles before the cluster is up, e.g. plain Kubernetes pods)."""
 
 
 # ---- loading ------------------------------------------------------------------------------

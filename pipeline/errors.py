@@ -52,6 +52,15 @@ class KafkaClientError(RlstreamError):
         return bool(self.kafka_error is not None and self.kafka_error.fatal())
 
 
+class BrokerUnreachable(KafkaClientError):
+    """No broker of ``bootstrap`` answered within a bounded check: a command run by hand stops with
+    this instead of retrying (roles under a supervisor retry up to ``liveness.startup_timeout_s``)."""
+
+    def __init__(self, message: str, bootstrap: str, kafka_error=None):
+        self.bootstrap = bootstrap
+        super().__init__(message, kafka_error)
+
+
 class DeliveryError(KafkaClientError):
     """A produced message was not delivered. Raised on the next produce() or flush()."""
 
@@ -62,6 +71,11 @@ class ConsumeError(KafkaClientError):
 
 class TopicError(KafkaClientError):
     """Creating, describing or deleting a topic failed."""
+
+
+class UnknownVersion(RlstreamError):
+    """A policy version asked for (``export``, ``eval --version``) was never published, or its
+    weights are gone from the store. The message lists the versions there are."""
 
 
 class BrokerError(RlstreamError):

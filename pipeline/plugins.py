@@ -10,14 +10,20 @@ Every registry builds its objects the same way: ``cls(config, ctx)``: the plug-i
 section and a small context object of its kind. What an object can do is declared as class
 attributes (capabilities), never inferred from its name.
 
-What this is not: a packaging or entry-point system; ``module:Attr`` must be importable.
+What this is not: a packaging or entry-point system; ``module:Attr`` must be importable, from
+the import path or from directories named for it (``load_object(ref, dirs)``: the module is looked
+up there by name and imported as itself; sys.path is left alone).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
@@ -30,15 +36,39 @@ def is_dotted(ref: str) -> bool:
     return bool(_DOTTED.match(ref))
 
 
-def load_object(ref: str) -> Any:
-    """Import ``package.module:attr`` (``attr`` may be dotted); ConfigError says what failed."""
+def _import_from(name: str, dirs: Sequence[str | Path]) -> None:
+    """Import the top-level module or package of ``name`` from the first of ``dirs`` that has it,
+    under its own name, unless it is imported already (importlib's "import a source file" recipe)."""
+    top = name.partition(".")[0]
+    if top in sys.modules:
+        return
+    spec = importlib.machinery.PathFinder.find_spec(top, [str(Path(d).resolve()) for d in dirs])
+    if spec is None or spec.loader is None:
+        return  # not there: the import path decides
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[top] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[top]
+        raise
+
+
+def load_object(ref: str, dirs: Sequence[str | Path] = ()) -> Any:
+    """Import ``package.module:attr`` (``attr`` may be dotted); ConfigError says what failed.
+    ``dirs``: directories searched first for the module's top-level module or package."""
     if not is_dotted(ref):
         raise ConfigError(f"{ref!r} is not a module:attribute reference")
     mod_name, _, attr = ref.partition(":")
     try:
+        if dirs:
+            _import_from(mod_name, dirs)
         obj: Any = importlib.import_module(mod_name)
     except ImportError as exc:
-        raise ConfigError(f"{ref!r}: cannot import {mod_name}: {exc}") from exc
+        where = f" (looked in {', '.join(map(str, dirs))}, then the import path)" if dirs else ""
+        raise ConfigError(f"{ref!r}: cannot import {mod_name}{where}: {exc}") from exc
+    except Exception as exc:  # the user's module itself failed while it was imported
+        raise ConfigError(f"{ref!r}: importing {mod_name} failed: {type(exc).__name__}: {exc}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{ref!r}: {mod_name} has no attribute {attr}")

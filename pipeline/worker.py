@@ -56,12 +56,13 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def die_with_parent() -> None:
+def die_with_parent() -> bool:
     """If started by a supervisor (``RLSTREAM_PARENT_PID``), get SIGTERM when it dies, even by
-    ``kill -9`` (Linux ``PR_SET_PDEATHSIG``), and exit at once if it is already gone."""
+    ``kill -9`` (Linux ``PR_SET_PDEATHSIG``), and exit at once if it is already gone. Returns
+    whether a supervisor started this process."""
     parent = os.environ.pop("RLSTREAM_PARENT_PID", None)  # not for our own children
     if not parent or not sys.platform.startswith("linux"):
-        return
+        return bool(parent)
     import ctypes
 
     from pipeline.ports import pid_alive
@@ -72,6 +73,7 @@ def die_with_parent() -> None:
     if not pid_alive(int(parent)):  # the supervisor died before the request took effect
         log.error("supervisor %s is gone; exiting", parent)
         os._exit(1)
+    return True
 
 
 def exit_without_teardown(code: int, why: str) -> None:

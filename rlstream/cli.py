@@ -1,10 +1,14 @@
 """The ``rlstream`` command line. One subcommand per role; each resolves the config (file < env <
 ``--set``), fixes the Kafka bootstrap address once, imports heavy libraries only afterwards, and
-calls the role's ``run(config)``. Typed rlstream errors print one clear line and exit 2."""
+calls the role's ``run(config)``. Run by hand (not by rlstream's supervisor), a command that needs
+Kafka first checks that a broker answers (``liveness.broker_check_s``). Typed rlstream errors and
+the user's own mistakes (a missing file, a bad path) print one clear line and exit 2; their stack
+goes to the log at debug level."""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +29,10 @@ app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
+log = logging.getLogger(__name__)
+USER_ERRORS = (RlstreamError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
+               PermissionError)  # fmt: skip
+"""What a user's own mistake raises: said in one line (exit 2), never as a traceback."""
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.", show_default=False)]
 SetOpt = Annotated[
@@ -45,26 +53,37 @@ def sources(config: Path | None = None, set_: list[str] | None = None) -> tuple[
 
 
 def load(config: Path | None = None, set_: list[str] | None = None, resolve: bool = True):
-    """Resolve the config, set up logging and (``resolve``) fix the Kafka bootstrap address."""
+    """Resolve the config, set up logging and (``resolve``) fix the Kafka bootstrap address; run by
+    hand, also check that a broker answers there (BrokerUnreachable, in one line, if none does)."""
     from pipeline.log import setup_logging
-    from rlstream.config import load_config, resolve_bootstrap
+    from rlstream.config import load_config, require_broker, resolve_bootstrap
 
     cfg = load_config(*sources(config, set_))
     setup_logging(cfg.log_level)
     if resolve:
         resolve_bootstrap(cfg)
+        if not _root.get("supervised"):  # a supervised role retries for liveness.startup_timeout_s
+            require_broker(cfg)
     return cfg
 
 
 def run_cli() -> None:
-    """Console entry point: typed rlstream errors become one clear line and exit code 2."""
+    """Console entry point: typed rlstream errors and user mistakes become one clear line, exit 2."""
     from pipeline.worker import die_with_parent
 
-    die_with_parent()
+    _root["supervised"] = die_with_parent()
     try:
         app()
-    except RlstreamError as exc:
-        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+    except USER_ERRORS as exc:
+        from rich.markup import escape
+
+        # the stack: at debug level on a terminal; in a supervised role's log file, for an OSError
+        # (a path deep inside a role may be a bug, not the user's), at error level
+        supervised_oserror = _root.get("supervised") and not isinstance(exc, RlstreamError)
+        log.log(logging.ERROR if supervised_oserror else logging.DEBUG, "the command failed", exc_info=True)
+        name = type(exc).__name__
+        text = str(exc) if isinstance(exc, RlstreamError) or not exc.filename else f"{exc.strerror}: {exc.filename}"
+        console.print(f"[bold red]error:[/] {name}: {escape(text)}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 
@@ -284,15 +303,32 @@ def train(
 @app.command("eval")
 def eval_(
     source: Annotated[Path | None, typer.Argument(help="Held-out dataset (eval.source).")] = None,
+    version: int | None = typer.Option(
+        None, "--version", min=0, help="Evaluate this published version once, print the result and exit."
+    ),
+    latest: bool = typer.Option(False, "--latest", help="Evaluate the newest published version once and exit."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Evaluate while training: every eval.every_versions published versions, generate on a held-out
-    dataset and publish mean reward and pass@1 per version to the metrics topic."""
+    """Evaluate while training: version 0, every eval.every_versions published versions and the final
+    one, generated on a held-out dataset, with mean reward and pass@1 per version published to the
+    metrics topic. With --version N or --latest: that one version, once; the result is printed."""
+    if latest and version is not None:
+        raise typer.BadParameter("give --version N or --latest, not both")
     cfg = load(config, [*(set_ or []), *([f"eval.source={json.dumps(str(source))}"] if source else [])])
     from rlstream.eval import run
 
-    run(cfg)
+    results = run(cfg, version=version, latest=latest)
+    if (latest or version is not None) and results:
+        r = results[-1]
+        console.print(
+            f"v{r['version']}: pass@1 {r['eval_pass_at_1']:.3f}, mean reward {r['eval_reward_mean']:.3f} over "
+            f"{r['eval_answers']} answers ({r['eval_unscored']} unscored) in {r['eval_s']:.1f} s; "
+            f"answers in {r['answers_file']}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        print(json.dumps({k.removeprefix("eval_"): v for k, v in r.items()}))
 
 
 @app.command()
@@ -432,7 +468,7 @@ def run_(
 ) -> None:
     """Run a whole job on this machine: topics, every role as a supervised process, the live view, and
     its run directory (config, logs, report, plots, TensorBoard). Run it again to resume it."""
-    from rlstream.config import load_config
+    from rlstream.config import load_config, record_job_dir, require_broker
     from rlstream.job import kafka_for, resolve, run_job
 
     _sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
@@ -440,7 +476,9 @@ def run_(
     flags = [f"trainer.max_steps={steps}"] if steps else []
     base = load_config(path, sets)
     with kafka_for(base, keep_broker, console.print) as bootstrap:
+        require_broker(base, bootstrap)
         cfg = resolve(path, sets, flags=flags, bootstrap=bootstrap)
+        record_job_dir(cfg, path)
         report = run_job(cfg, title=f"rlstream run {cfg.job.name}", live=False if no_live else None, console=console)
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 

@@ -28,7 +28,7 @@ from pipeline.config import (
     load_tree,
     validate,
 )
-from pipeline.kafka import DEFAULT_BOOTSTRAP
+from pipeline.kafka import DEFAULT_BOOTSTRAP, check_reachable, client_conf
 from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
 from rlstream.eval import EvalConfig
@@ -138,3 +138,31 @@ def resolve_bootstrap(cfg: Config) -> str:
         state = read_state(Path(cfg.broker.data_dir))
         cfg.kafka.bootstrap_servers = (state or {}).get("bootstrap") or DEFAULT_BOOTSTRAP
     return cfg.kafka.bootstrap_servers
+
+
+START_A_BROKER = (
+    "start one with `rlstream broker start`, or set kafka.bootstrap_servers (-s kafka.bootstrap_servers=HOST:PORT)"
+)
+
+
+def require_broker(cfg: Config, bootstrap: str | None = None) -> None:
+    """For a command run by hand, before its work starts: BrokerUnreachable (one line, with the
+    address tried and how to start a broker) when no broker at ``bootstrap`` (default
+    ``kafka.bootstrap_servers``) answers within ``liveness.broker_check_s``; 0 skips the check.
+    Roles under rlstream's supervisor never call this: they retry for ``startup_timeout_s``."""
+    if cfg.liveness.broker_check_s <= 0:
+        return
+    conf = client_conf(cfg, "cli")
+    if bootstrap:
+        conf["bootstrap.servers"] = bootstrap
+    check_reachable(conf, cfg.liveness.broker_check_s, START_A_BROKER)
+
+
+def record_job_dir(cfg: Config, job_file: str | Path | None) -> None:
+    """Add the job file's directory to ``reward.import_dirs``: a reward module kept beside the job
+    file is then found by the job's roles, and by roles started by hand with the run's config.toml."""
+    if job_file is None:
+        return
+    where = Path(job_file).resolve().parent
+    if where not in [Path(d).resolve() for d in cfg.reward.import_dirs]:
+        cfg.reward.import_dirs = [*cfg.reward.import_dirs, where]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import cli_overrides, load_tree
-from rlstream.config import load_config
+from rlstream.config import load_config, record_job_dir, require_broker
 
 TASK = "next_digit"
 CHARSET = "0123456789+=>? "
@@ -128,8 +128,11 @@ def run(config_path: Path | None, sets: list[str], opts: DemoOptions) -> dict:
 
     console = Console(stderr=True)
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    with kafka_for(load_config(config_path, sets), opts.keep_broker, console.print) as bootstrap:
+    base = load_config(config_path, sets)
+    with kafka_for(base, opts.keep_broker, console.print) as bootstrap:
+        require_broker(base, bootstrap)  # a given address that does not answer: one line, at once
         cfg = resolve(config_path, sets, opts, run_id, bootstrap)
+        record_job_dir(cfg, config_path)
         own_task = cfg.job.dataset is not None and cfg.feed.source.name.startswith("next_digit")
         return run_job(
             cfg,

@@ -1,12 +1,19 @@
 """``rlstream eval``: evaluation while training, without pausing it.
 
-A process of its own (a ``pipeline.worker.Worker``) that follows rl.control and, for version 0 and
-then every ``eval.every_versions`` published versions, loads those weights into its own rollout
+A process of its own (a ``pipeline.worker.Worker``) that follows rl.control and, for version 0,
+then every ``eval.every_versions`` published versions, and always the run's final version (the
+notice whose ``step`` reaches ``trainer.max_steps``), loads those weights into its own rollout
 engine, generates ``eval.samples`` answers for each prompt of a held-out dataset, scores them with
 the reward workers' functions (``reward.tasks``/``reward.default``, in the same timed pool), and
 publishes one MetricEvent (role ``eval``, its ``version``) with ``eval_reward_mean``,
 ``eval_pass_at_1`` (the share of answers whose reward reaches ``eval.pass_threshold``) and counts.
-The launcher's live view, ``rlstream status``, the run report and its plots show the curve.
+The launcher's live view, ``rlstream status``, the run report and its plots show the curve. The
+final version's event also carries ``eval_final = 1``: the launcher waits for it before it stops a
+job whose trainer has finished.
+
+``rlstream eval --version N`` / ``--latest`` (``Evaluator(cfg, version=N)`` / ``latest=True``)
+evaluates that one version once, publishes nothing, writes its answers to
+``<run_dir>/eval/v<N>.jsonl`` and returns the figures.
 
 It lives in the application layer because it composes two roles' libraries (a rollout engine and
 reward functions); it writes nothing but metrics. It is not a benchmark harness.
@@ -58,12 +65,17 @@ class Evaluator(Worker):
     role = "eval"
     unit = "evaluation"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, version: int | None = None, latest: bool = False):
         super().__init__(cfg, cfg.eval.worker_id)
         self.ec = cfg.eval
         self.engine = self.pool = self.control = self.producer = self.metrics = None
         self.evaluated: int | None = None
         self.results: list[dict] = []
+        self.once = latest or version is not None
+        """Evaluate one version (``version``, or the newest with ``latest``) and stop."""
+        self.asked = version
+        self.update: dict | None = None
+        """The WeightUpdate evaluated once (None: version 0, the base model)."""
 
     def setup(self) -> None:
         from consumers.reward.pool import make_pool
@@ -73,7 +85,13 @@ class Evaluator(Worker):
         from producers.engines import EngineContext, build_engine
 
         if self.ec.source is None:
-            raise ConfigError("eval.source is not set: give a held-out dataset")
+            raise ConfigError("eval.source is not set: give a held-out dataset (rlstream eval FILE)")
+        if not Path(self.ec.source).exists():
+            raise ConfigError(f"eval.source {self.ec.source} does not exist")
+        if self.once:  # before the model loads: a version that is not there is said at once
+            from rlstream.export import find_update
+
+            self.update = find_update(self.cfg, self.asked, base=True)
         fc = self.cfg.feed
         fields = {
             k: getattr(fc, k) for k in ("id_field", "prompt_field", "task_field", "messages_field", "reference_field")
@@ -84,6 +102,8 @@ class Evaluator(Worker):
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = build_engine(self.cfg.rollout.engine, EngineContext(model_dir, self.tokenizer, self.worker_id))
         self.pool = make_pool(self.cfg.reward, self.cfg.log_level)
+        if self.once:
+            return
         self.control = ControlFollower(self.cfg, "eval", self.worker_id)
         self.producer = Producer(client_conf(self.cfg, "eval", self.worker_id, kind="producer"))
         self.metrics = WorkerMetrics(
@@ -96,20 +116,28 @@ class Evaluator(Worker):
         )
 
     def run_once(self) -> bool:
+        if self.once:
+            if self.update is not None:
+                with self.section("weight load"):
+                    self.engine.load_weights(self.update, self.engine.prepare_weights(self.update))
+            with self.section("evaluation"):
+                self._evaluate()
+            return False
         self.metrics.maybe_publish()
         self.control.poll(0.5)
         self.control.commands.clear()
         upd = self.control.latest_update
         target = upd["version"] if upd else 0
-        if self.evaluated is None or target >= self.evaluated + self.ec.every_versions:
+        final = is_final(upd, self.cfg.trainer.max_steps)
+        if due(self.evaluated, target, self.ec.every_versions, final):
             if target > self.engine.version:
                 with self.section("weight load"):
                     self.engine.load_weights(upd, self.engine.prepare_weights(upd))
             with self.section("evaluation"):
-                self._evaluate()
+                self._evaluate(final)
         return True
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, final: bool = False) -> None:
         from producers.chat import render, uses_template
         from producers.engines import GenRequest
 
@@ -133,7 +161,8 @@ class Evaluator(Worker):
         outs = []
         for i in range(0, len(reqs), 64):  # in chunks, with a sign of life between them
             outs += self.engine.generate(reqs[i : i + 64], timeout=self.liveness.slow_op_s)
-            self.metrics.maybe_publish()
+            if self.metrics is not None:
+                self.metrics.maybe_publish()
         trajs = [
             {
                 "trajectory_id": req.rid,
@@ -148,7 +177,8 @@ class Evaluator(Worker):
             }
             for req, out, (r, text) in zip(reqs, outs, meta, strict=True)
         ]
-        scored = [o for o in self.pool.score(trajs) if o.ok]
+        outcomes = self.pool.score(trajs)
+        scored = [o for o in outcomes if o.ok]
         rewards = [o.reward for o in scored]
         res = {
             "version": self.engine.version,
@@ -160,14 +190,31 @@ class Evaluator(Worker):
         }
         self.results.append(res)
         self.evaluated = self.engine.version
+        log.info("evaluated %s", kv(**{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
+        if self.once:
+            res["answers_file"] = str(self._write_answers(trajs, outcomes))
+            return
         self.metrics.version = self.engine.version
         for k, v in res.items():
             if k != "version":
                 self.metrics.set(k, v)
+        if final:
+            self.metrics.set("eval_final", 1.0)
         self.metrics.set("eval_at_ms", now_ms())
         self.metrics.publish()
         self.producer.flush_patiently(self.liveness.outage_s, "eval metrics")
-        log.info("evaluated %s", kv(**{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
+
+    def _write_answers(self, trajs: list[dict], outcomes: list) -> Path:
+        """``<run_dir>/eval/v<N>.jsonl``: each prompt, answer, reference and reward of a one-off evaluation."""
+        import json
+
+        path = Path(self.cfg.run_dir) / "eval" / f"v{self.engine.version}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for t, o in zip(trajs, outcomes, strict=True):
+                row = {k: t[k] for k in ("prompt_text", "response_text", "reference", "finish_reason")}
+                f.write(json.dumps({**row, "reward": o.reward if o.ok else None}) + "\n")
+        return path
 
     def close(self) -> None:
         for c in (self.control, self.pool, self.engine):
@@ -182,5 +229,18 @@ class Evaluator(Worker):
         return self.results
 
 
-def run(cfg, stop=None) -> list[dict]:
-    return Evaluator(cfg).run(stop)
+def is_final(update: dict | None, max_steps: int) -> bool:
+    """Whether ``update`` is the run's last version: the trainer publishes at ``trainer.max_steps``
+    whatever ``publish_every`` says, and stops there."""
+    return bool(update and max_steps and (update.get("step") or 0) >= max_steps)
+
+
+def due(evaluated: int | None, target: int, every: int, final: bool) -> bool:
+    """Whether the newest version ``target`` is to be evaluated now: the first one seen, each one
+    ``every`` past the last evaluated, and the final one always."""
+    return evaluated is None or target >= evaluated + every or (final and target > evaluated)
+
+
+def run(cfg, stop=None, version: int | None = None, latest: bool = False) -> list[dict]:
+    """Follow the run (default), or evaluate one version once (``version``, or the newest with ``latest``)."""
+    return Evaluator(cfg, version, latest).run(stop)

@@ -3,7 +3,8 @@ as supervised ``rlstream`` processes, with a live view, restarts, and a report a
 
 Steps (each a method of ``Launcher``): ``prepare`` (topics, the model built once, the resolved
 config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
-refresh lags, restart dead or hung roles, stop when the trainer finishes) → ``stop_roles`` →
+refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
+its final version is evaluated) → ``stop_roles`` →
 ``write_report``. ``run(tick=...)`` calls ``tick()`` once per watch round, so a caller can act on
 the live run (``rlstream chaos`` injects its faults there and adds roles with ``add_role``); a
 string it returns ends the watch with that status. A role counts as hung when its process is alive but has published no
@@ -30,7 +31,7 @@ from pipeline.config import dump_toml
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
-from rlstream.progress import Progress, render
+from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
 from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
 from rlstream.tracking import Tracker
@@ -97,6 +98,8 @@ class Launcher:
         self.hang_after_s = 2 * cfg.liveness.watchdog_s + 30
         self._last_tracked = 0.0
         self._worker_of = {self._worker_id(r): r.name for r in roles}
+        self._trainer_done_at: float | None = None
+        self._retired: list[str] = []
 
     def _worker_id(self, r: RoleSpec) -> str:
         if r.command == "train":
@@ -161,6 +164,9 @@ class Launcher:
         finally:
             lags_done.set()
             codes = sup.stop_all(timeout=self.cfg.liveness.shutdown_timeout_s + 10)
+            retired = {e["name"]: e["code"] for e in sup.events if e["event"] in ("stopped", "stop_timeout")
+                       and e["name"] in self._retired}  # fmt: skip
+            codes = {**retired, **codes}  # the roles stopped before the final evaluation too
             self._drain_metrics(metrics, 1.0)
             metrics.close()
             self.tracker.close()
@@ -197,7 +203,7 @@ class Launcher:
                 elif now - last_print > 10:
                     self.console.print(self._line(), highlight=False)
                     last_print = now
-                if "trainer" in finished:
+                if "trainer" in finished and self._final_eval_done(sup):
                     return "ok"
                 if tick is not None and (outcome := tick()):
                     return outcome
@@ -214,6 +220,28 @@ class Launcher:
                 view.stop()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _final_eval_done(self, sup: Supervisor) -> bool:
+        """The trainer has finished: with an eval role, the run ends once it has evaluated the final
+        version (its ``eval_final`` event). Meanwhile the roles that feed the trainer are stopped,
+        so the evaluation has the machine; the wait is bounded by ``liveness.slow_op_s`` (the eval's
+        own watchdog limit for one evaluation)."""
+        evals = [r.name for r in self.roles if r.command == "eval"]
+        final = self.progress.steps[-1]["version"] if self.progress.steps else 0  # the trainer's newest
+        if not evals or not self.cfg.trainer.max_steps or (self.progress.final_eval or -1) >= final:
+            return True  # (an earlier run's final evaluation, on the topic too, is of a lower version)
+        now = time.monotonic()
+        if self._trainer_done_at is None:
+            self._trainer_done_at = now
+            for r in self.roles:
+                if r.command not in ("eval", "train"):
+                    sup.retire(r.name, self.cfg.liveness.shutdown_timeout_s + 10, "trainer finished")
+                    self._retired.append(r.name)
+            self.console.print("trainer finished; waiting for the evaluation of the final version", highlight=False)
+        if now - self._trainer_done_at > self.cfg.liveness.slow_op_s:
+            self.console.print("[yellow]the final version was not evaluated in time; stopping[/]")
+            return True
+        return False
+
     def _drain_metrics(self, metrics: Consumer, timeout: float) -> None:
         for m in metrics.consume(1000, timeout):
             try:
@@ -294,17 +322,18 @@ class Launcher:
     def finish_report(self, extra: dict) -> dict:
         """Add the step log figures, write report.json and the plots; print the summary line."""
         steps_log = self.progress.steps
-        first = [s["reward_mean"] for s in steps_log[:10]]
-        last = [s["reward_mean"] for s in steps_log[-10:]]
+        rewarded = [s for s in steps_log if s["reward_mean"] is not None]  # not the all-stale steps
         r = self.report
         r.update(extra)
         r.update(
             {
                 "wall_time_s": round(time.monotonic() - self.t_start, 1),
                 "steps_completed": steps_log[-1]["step"] if steps_log else 0,
-                "reward_first10_mean": sum(first) / len(first) if first else None,
-                "reward_last10_mean": sum(last) / len(last) if last else None,
-                "reward_curve": [[s["step"], round(s["reward_mean"], 4)] for s in steps_log],
+                "reward_first10_mean": mean_reward(rewarded[:10]),
+                "reward_last10_mean": mean_reward(rewarded[-10:]),
+                "reward_curve": [
+                    [s["step"], None if s["reward_mean"] is None else round(s["reward_mean"], 4)] for s in steps_log
+                ],
                 "staleness_histogram": self.progress.staleness(),
                 "eval_curve": self.progress.eval_curve(),
                 "steps": steps_log,

@@ -1,7 +1,22 @@
 """What a run looks like while it runs: ``Progress`` folds rl.metrics events into the trainer's step
-log and each worker's newest event; ``render`` draws the live view. Read-only; no Kafka here."""
+log and each worker's newest event; ``render`` draws the live view. Read-only; no Kafka here.
+
+A step that trained no sample (every one was stale) has no reward: its ``reward_mean`` is None in
+the step log (null in report.json), left out of every mean and curve, never drawn as 0.0.
+"""
 
 from __future__ import annotations
+
+
+def step_samples(metrics: dict) -> int:
+    """Samples a trainer step event's step trained: the sum of its ``version_lag_<d>`` counts."""
+    return int(sum(v for k, v in metrics.items() if k.startswith("version_lag_")))
+
+
+def mean_reward(steps: list[dict]) -> float | None:
+    """Mean ``reward_mean`` of the steps that trained something (None if none did)."""
+    rewards = [s["reward_mean"] for s in steps if s["reward_mean"] is not None]
+    return sum(rewards) / len(rewards) if rewards else None
 
 
 class Progress:
@@ -12,6 +27,8 @@ class Progress:
         self.workers: dict[str, dict] = {}
         self.evals: dict[int, dict] = {}
         """version -> {reward_mean, pass_at_1, answers} from ``rlstream eval``."""
+        self.final_eval: int | None = None
+        """The newest version ``rlstream eval`` evaluated as a run's final one (``eval_final``)."""
 
     def add(self, ev: dict) -> None:
         key = f"{ev['role']}/{ev['worker_id']}"
@@ -21,19 +38,21 @@ class Progress:
             self.evals[ev["version"]] = {
                 "reward_mean": m["eval_reward_mean"], "pass_at_1": m.get("eval_pass_at_1"), "answers": m.get("eval_answers")
             }  # fmt: skip
+            if m.get("eval_final"):
+                self.final_eval = max(ev["version"], self.final_eval or 0)
         if ev["role"] == "trainer" and "step" in m and "reward_mean" in m:
             step = int(m["step"])
             if self.steps and self.steps[-1]["step"] >= step:
                 return  # periodic event repeating the last step's gauges
             t = ev["timestamp_ms"] / 1000
-            samples = int(sum(v for k, v in m.items() if k.startswith("version_lag_")))
+            samples = step_samples(m)
             prev_t = self.steps[-1]["time"] if self.steps else None
             self.steps.append(
                 {
                     "step": step,
                     "version": ev["version"],
                     "time": t,
-                    "reward_mean": m["reward_mean"],
+                    "reward_mean": m["reward_mean"] if samples else None,  # all stale: no reward
                     "samples": samples,
                     "loss": m.get("loss"),
                     "staleness": {
@@ -44,10 +63,8 @@ class Progress:
             )
 
     def recent_reward(self, n: int = 10) -> float | None:
-        if not self.steps:
-            return None
-        tail = self.steps[-n:]
-        return sum(s["reward_mean"] for s in tail) / len(tail)
+        """Mean reward of the last ``n`` steps that trained something."""
+        return mean_reward([s for s in self.steps if s["reward_mean"] is not None][-n:])
 
     def throughput(self, n: int = 10) -> float:
         tail = self.steps[-n:]

@@ -1,6 +1,9 @@
 """Run reports: a JSON file and PNG plots (reward vs step, staleness distribution, throughput
 over time, and the eval curve when ``rlstream eval`` ran) from the trainer's per-step MetricEvents. Used by ``rlstream demo`` and benchmarks.
 
+A step that trained no sample (every one stale; ``reward_mean`` None) has no point on the reward
+plot and no part in its moving mean; it is marked with a red tick at the top instead.
+
 matplotlib is imported only when plotting (the ``plots`` extra); without it the JSON is still
 written and the plots are skipped with a message.
 """
@@ -45,14 +48,15 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
     out = []
     if steps:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        xs = [s["step"] for s in steps]
-        ax.plot(xs, [s["reward_mean"] for s in steps], lw=1, alpha=0.5, label="batch mean")
+        rewarded = [s for s in steps if s["reward_mean"] is not None]
+        xs, ys = [s["step"] for s in rewarded], [s["reward_mean"] for s in rewarded]
+        ax.plot(xs, ys, lw=1, alpha=0.5, label="batch mean")
         w = max(1, len(xs) // 20)
-        smooth = [
-            sum(s["reward_mean"] for s in steps[max(0, i - w + 1) : i + 1]) / len(steps[max(0, i - w + 1) : i + 1])
-            for i in range(len(steps))
-        ]
+        smooth = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
         ax.plot(xs, smooth, lw=2, label=f"moving mean ({w} steps)")
+        stale_only = [s["step"] for s in steps if s["reward_mean"] is None]
+        if stale_only:
+            ax.plot(stale_only, [1.0] * len(stale_only), "|", color="tab:red", ms=10, label="all samples stale")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("reward")
         ax.set_ylim(-0.02, 1.02)

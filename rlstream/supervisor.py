@@ -77,13 +77,14 @@ class Child:
 
     def tail(self, lines: int = 20, skip_client_log: bool = False) -> str:
         """The last ``lines`` lines of the child's log (``skip_client_log``: without librdkafka's own
-        ``%<level>|...`` lines, which repeat every failed reconnect while a broker is away)."""
+        lines, raw ``%<level>|...`` or through the ``librdkafka`` logger, which repeat every failed
+        reconnect while a broker is away)."""
         try:
             text = self.log_path.read_text(errors="replace").splitlines(keepends=True)
         except OSError:
             return ""
         if skip_client_log:
-            text = [line for line in text[-20 * lines :] if not line.startswith("%")]
+            text = [line for line in text[-20 * lines :] if not line.startswith("%") and " librdkafka: " not in line]
         return "".join(text[-lines:])
 
 

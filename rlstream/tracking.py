@@ -2,7 +2,8 @@
 (offline-capable) when configured.
 
 ``Tracker`` turns MetricEvents into scalars: the trainer's per-step figures (reward, loss, KL,
-grad norm, lr, samples/s, the staleness histogram as ``staleness/lag_<d>``) at the trainer step,
+grad norm, lr, samples/s, the staleness histogram as ``staleness/lag_<d>``, the samples trained as
+``trainer/step_samples``; a step whose samples were all stale has no reward or loss point) at the trainer step,
 the eval curve (``eval/*``) at the policy version, and every other role's gauges and rates
 (``rollout/<worker>/*``, ``reward/<worker>/*``) at seconds since the run started; lags per stage
 when the caller knows them. ``rlstream demo`` (and job runs) feed their own metrics stream into a
@@ -29,8 +30,12 @@ from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
 from pipeline.worker import Worker
+from rlstream.progress import step_samples
 
 log = logging.getLogger(__name__)
+NO_SAMPLE_NO_VALUE = ("reward_mean", "loss")
+"""Trainer gauges (and ``loss_*``) that are means over the step's trained samples: not written for
+a step that trained none (``trainer/step_samples`` 0 marks it)."""
 
 
 class TrackingConfig(StrictModel):
@@ -80,9 +85,13 @@ class Tracker:
             if step <= self._last_step:
                 return  # a periodic event repeating the last step's gauges
             self._last_step = step
+            trained = step_samples(m)
+            self._scalar("trainer/step_samples", trained, step, wall)
             for k, v in m.items():
                 if k.startswith("version_lag_"):
                     self._scalar(f"staleness/lag_{k.removeprefix('version_lag_')}", v, step, wall)
+                elif not trained and k.startswith(NO_SAMPLE_NO_VALUE):
+                    continue  # every sample was stale: these are means over nothing, not 0.0
                 elif not k.endswith("_rate"):
                     self._scalar(f"trainer/{k}", v, step, wall)
             self._scalar("trainer/version", ev["version"], step, wall)

@@ -47,3 +47,82 @@ def test_eval_scores_version_zero_and_every_published_version(make_config, tmp_p
         0.1
     )
     assert by_version[1]["eval_answers"] == 20 and by_version[1]["eval_unscored"] == 0
+
+
+def eval_config(make_config, tmp_path, *extra):
+    held_out = write_task(tmp_path / "heldout.jsonl")
+    return make_config(
+        *MODEL, f"eval.source={held_out}", "eval.samples=2", "rollout.max_new_tokens=1", "reward.executor=thread",
+        f'reward.tasks={{{TASK} = [{{name = "exact_match", kwargs = {{extract_regex = "^(.)"}}}}]}}', *extra,
+    )  # fmt: skip
+
+
+def answers_one(cfg) -> dict:
+    """Weights that always answer "1": right for the prompt "0>" only (1 of 10)."""
+    from pipeline.models import load_tokenizer, materialize
+    from producers.testing import forcing_state_dict
+    from tests.test_rollout import base_state
+
+    tok = load_tokenizer(materialize(cfg.model))
+    return forcing_state_dict(base_state(cfg), tok.convert_tokens_to_ids("1"))
+
+
+def test_the_final_version_is_evaluated_whatever_every_versions_says(make_config, tmp_path):
+    """trainer.max_steps = 3, eval.every_versions = 5: version 1 is skipped, version 3 (the run's
+    last, not a multiple of 5) is evaluated, and its event says it is the final one."""
+    import time
+
+    from producers.testing import publish_version, read_topic
+    from rlstream.eval import Evaluator
+    from tests.test_rollout import wait_for
+
+    cfg = eval_config(make_config, tmp_path, "eval.every_versions=5", "trainer.max_steps=3")
+    weights = answers_one(cfg)
+    ev = Evaluator(cfg)
+    stop = threading.Event()
+    t = threading.Thread(target=ev.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(ev.results) >= 1, timeout=180, what="version 0 evaluated")
+        publish_version(cfg, 1, weights)
+        time.sleep(3)  # six polls of rl.control: version 1 is seen and not due
+        assert [r["version"] for r in ev.results] == [0]
+        publish_version(cfg, 3, weights)
+        wait_for(lambda: len(ev.results) >= 2, timeout=180, what="the final version evaluated")
+    finally:
+        stop.set()
+        t.join(60)
+    assert [r["version"] for r in ev.results] == [0, 3]
+    events = [r for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "eval"]
+    finals = {e["version"] for e in events if e["metrics"].get("eval_final")}
+    assert finals == {3} and ev.results[1]["eval_pass_at_1"] == pytest.approx(0.1)
+
+
+def test_eval_version_and_latest_evaluate_one_version_once_and_print_it(make_config, cli_env, tmp_path):
+    """`rlstream eval --version N` / `--latest`: that version once, the result printed, exit 0,
+    nothing published; a version that is not there: one line listing those that are."""
+    from pipeline.config import dump_toml
+    from producers.testing import publish_version, read_topic
+    from tests.conftest import run_cli
+
+    cfg = eval_config(make_config, tmp_path)
+    publish_version(cfg, 1, answers_one(cfg))
+    conf = tmp_path / "eval.toml"
+    conf.write_text(dump_toml(cfg))
+    for how in (["--version", "1"], ["--latest"]):
+        p = run_cli(["-c", str(conf), "eval", *how], cli_env, timeout=300)
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got["version"] == 1 and got["pass_at_1"] == pytest.approx(0.1) and got["answers"] == 20, got
+        assert "v1: pass@1 0.100, mean reward 0.100 over 20 answers" in p.stderr
+        rows = [json.loads(line) for line in open(got["answers_file"])]
+        assert len(rows) == 20 and {r["response_text"][:1] for r in rows} == {"1"}
+    base = json.loads(
+        run_cli(["-c", str(conf), "eval", "--version", "0"], cli_env, timeout=300).stdout.splitlines()[-1]
+    )
+    assert base["version"] == 0
+    bad = run_cli(["-c", str(conf), "eval", "--version", "4"], cli_env, check=False)
+    lines = [line for line in (bad.stdout + bad.stderr).splitlines() if line.strip()]
+    assert bad.returncode == 2 and lines == [
+        "error: UnknownVersion: version 4 does not exist: the versions there are 0 (the base model), 1 (newest 1)"
+    ], lines
+    assert not [r for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "eval"]  # nothing published

@@ -40,7 +40,12 @@ def test_exported_directory_loads_and_reproduces_the_engines_logprobs(make_confi
     for req, got in zip(rs := reqs(tok, 3, base=8), eng.generate(rs), strict=True):
         want = teacher_forced_logprobs(model, req.context, got.tokens)
         assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
-    assert run_cli(["export", str(tmp_path / "x"), "--version", "7"], cli_env, check=False).returncode == 2
+    bad = run_cli(["export", str(tmp_path / "x"), "--version", "7"], cli_env, check=False)
+    lines = [line for line in (bad.stdout + bad.stderr).splitlines() if line.strip()]
+    assert bad.returncode == 2 and lines == [
+        "error: UnknownVersion: version 7 does not exist: the versions there are 3 (newest 3); 0 is the base model "
+        "(model.path)"
+    ], lines
 
 
 def test_a_sharded_version_exports_sharded_and_loads(make_config, cli_env, tmp_path):

@@ -128,4 +128,7 @@ def test_a_killed_job_resumes_with_nothing_lost_or_trained_twice(cli_env, tmp_pa
 
     ea = EventAccumulator(str(run_dir / "tensorboard"))
     ea.Reload()
-    assert {e.step for e in ea.Scalars("trainer/reward_mean")} == set(range(1, steps + 1))
+    trained = {e.step: e.value for e in ea.Scalars("trainer/step_samples")}
+    assert set(trained) == set(range(1, steps + 1))
+    # a step whose samples were all stale (possible after the kill) has no reward point, not 0.0
+    assert {e.step for e in ea.Scalars("trainer/reward_mean")} == {s for s, n in trained.items() if n > 0}

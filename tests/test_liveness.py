@@ -186,12 +186,14 @@ def test_partitions_handed_back_while_prompts_are_held_are_fetched_again(make_co
 
 def test_sigterm_while_setup_waits_for_a_broker_that_is_down_exits_zero(tmp_path):
     """A worker asked to stop while its start-up retries an unreachable broker (a chaos 'leave'
-    during a broker restart) stops at once and exits 0, instead of being cut short as hung."""
+    during a broker restart) stops at once and exits 0, instead of being cut short as hung. It runs
+    as a supervised role (RLSTREAM_PARENT_PID): those wait for the broker instead of stopping after
+    ``liveness.broker_check_s`` as a command run by hand does."""
     from pipeline.ports import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
     env.update(RLSTREAM_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}", RLSTREAM_RUN_DIR=str(tmp_path / "runs"),
-               RLSTREAM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")  # fmt: skip
+               RLSTREAM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", RLSTREAM_PARENT_PID=str(os.getpid()))  # fmt: skip
     log = tmp_path / "rollout.log"
     args = [*rlstream_cmd(), "rollout", *(x for s in [*TINY, "liveness.shutdown_timeout_s=60"] for x in ("--set", s))]
     with open(log, "w") as out:

@@ -28,15 +28,19 @@ def test_tracker_writes_steps_staleness_eval_and_roles(tmp_path):
     t0 = int(tr.t0 * 1000)
     tr.add(event("trainer", "t", 1, t0, step=1.0, reward_mean=0.25, loss=0.5, version_lag_0=6.0, version_lag_1=2.0))
     tr.add(event("trainer", "t", 1, t0 + 10, step=1.0, reward_mean=0.25, loss=0.5))  # periodic repeat: skipped
-    tr.add(event("trainer", "t", 2, t0 + 20, step=2.0, reward_mean=0.75, loss=float("nan")))  # NaN: not written
+    tr.add(event("trainer", "t", 2, t0 + 20, step=2.0, reward_mean=0.75, loss=float("nan"), version_lag_0=8.0))
+    # every sample of step 3 was stale: its reward and loss are means over nothing, not 0.0
+    tr.add(event("trainer", "t", 2, t0 + 25, step=3.0, reward_mean=0.0, loss=0.0, loss_kl=0.0, grad_norm=0.0))
     tr.add(event("eval", "e", 2, t0 + 30, eval_reward_mean=0.4, eval_pass_at_1=0.3))
     tr.add(event("rollout", "r0", 2, t0 + 3500, trajectories_rate=12.5))  # 3.5 s into the run: step 3
     tr.lags({"reward": 7})
     tr.close()
     got = scalars(tmp_path / "tensorboard")
     assert got["trainer/reward_mean"] == [(1, 0.25), (2, 0.75)]
-    assert got["trainer/loss"] == [(1, 0.5)]
-    assert got["staleness/lag_0"] == [(1, 6.0)] and got["staleness/lag_1"] == [(1, 2.0)]
+    assert got["trainer/loss"] == [(1, 0.5)]  # step 2's NaN is not written, nor step 3's nothing
+    assert "trainer/loss_kl" not in got
+    assert got["trainer/step_samples"] == [(1, 8.0), (2, 8.0), (3, 0.0)]
+    assert got["staleness/lag_0"] == [(1, 6.0), (2, 8.0)] and got["staleness/lag_1"] == [(1, 2.0)]
     assert got["eval/reward_mean"] == [(2, pytest.approx(0.4))] and got["eval/pass_at_1"] == [(2, pytest.approx(0.3))]
     assert got["rollout/r0/trajectories_rate"] == [(3, 12.5)]
     assert got["lag/reward"][0][1] == 7
@@ -55,6 +59,7 @@ def test_rlstream_track_follows_the_metrics_topic(make_config):
         for step in (1, 2, 3):
             m.set("step", step)
             m.set("reward_mean", step / 10)
+            m.set("version_lag_0", 8)  # the step trained 8 samples (as the trainer reports them)
             m.publish()
     worker = TrackWorker(cfg)
     stop = threading.Event()

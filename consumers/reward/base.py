@@ -82,11 +82,12 @@ def as_result(value: Any) -> RewardResult:
     return res
 
 
-def resolve_callable(ref: str) -> Callable:
-    """Import ``package.module:attr`` (``attr`` may be dotted); ConfigError if it is not callable."""
+def resolve_callable(ref: str, dirs: Iterable = ()) -> Callable:
+    """Import ``package.module:attr`` (``attr`` may be dotted; the module looked up in ``dirs``
+    first, ``reward.import_dirs``); ConfigError if it is not callable."""
     if not is_dotted(ref):
         raise ConfigError(f"reward {ref!r}: expected module:function")
-    obj = load_object(ref)
+    obj = load_object(ref, list(dirs))
     if not callable(obj):
         raise ConfigError(f"reward {ref!r} is not callable")
     return obj
@@ -100,7 +101,7 @@ def build(name: str, kwargs: dict | None = None, context: dict | None = None) ->
     """
     kwargs = dict(kwargs or {})
     if ":" in name:
-        fn = resolve_callable(name)
+        fn = resolve_callable(name, (context or {}).get("import_dirs", ()))
 
         def custom(trajectory: dict) -> RewardResult:
             return as_result(fn(trajectory, **kwargs))
@@ -159,7 +160,7 @@ class TaskRouter:
     """Scores a trajectory with the reward configured for its ``task`` (else the default)."""
 
     def __init__(self, reward_cfg):
-        ctx = {"sandbox": reward_cfg.sandbox}
+        ctx = {"sandbox": reward_cfg.sandbox, "import_dirs": reward_cfg.import_dirs}
         self.default = build_weighted(reward_cfg.default, ctx) if reward_cfg.default else None
         self.by_task = {task: build_weighted(specs, ctx) for task, specs in reward_cfg.tasks.items()}
 

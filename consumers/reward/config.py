@@ -7,6 +7,7 @@ Only validation lives here; the worker (``consumers.reward.worker``) interprets 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -109,6 +110,12 @@ class RewardConfig(StrictModel):
     """Reward for tasks not in ``tasks``: weighted sum of these. Empty: such tasks go to the DLQ."""
     tasks: dict[str, list[RewardSpec]] = Field(default_factory=dict)
     """Task name -> weighted sum of reward functions for that task."""
+    import_dirs: list[Path] = Field(default_factory=list, max_length=64)
+    """Directories where the module of a ``module:function`` reward is looked up first (by name;
+    sys.path is not changed), then the import path (PYTHONPATH). ``rlstream run`` adds the job
+    file's directory, so a reward module kept beside the job file is found by the job's roles and
+    by roles started by hand with the run's config.toml. Relative paths are taken from the
+    working directory."""
     sandbox: SandboxConfig = SandboxConfig()
     """Limits of the code-execution sandbox."""
     metrics_interval_s: float = Field(10.0, gt=0, le=3600)

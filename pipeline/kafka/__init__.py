@@ -14,6 +14,7 @@ Liveness rules kept here, once for every role:
 * a newly assigned partition is resumed before the caller sees it: librdkafka keeps a pause flag
   across revoke and re-assign, and a partition handed back paused would never be fetched again;
 * the assignment is cached from the rebalance callbacks, so asking for it costs nothing;
+* ``check_reachable`` is the one bounded "does a broker answer?" check of commands run by hand;
 * ``retry_transient`` retries start-up calls with backoff until a deadline; authentication and
   authorization failures end them at once, with what to fix;
 * transaction calls are bounded: one that librdkafka never returns from (#5456, after a broker
@@ -29,6 +30,7 @@ from pipeline.kafka.common import (
     ASSIGN_ONLY_GROUP_PREFIX,
     DEFAULT_BOOTSTRAP,
     WedgedClient,
+    check_reachable,
     client_conf,
     decode_message,
     is_transient,
@@ -50,6 +52,7 @@ __all__ = [
     "Producer",
     "TopicPartition",
     "WedgedClient",
+    "check_reachable",
     "client_conf",
     "decode_message",
     "is_transient",

@@ -1,11 +1,15 @@
-"""What every Kafka client of rlstream shares: client settings, the error classification (transient,
-authentication, authorization), start-up retries, bounded calls for librdkafka calls that can block
-forever, and small helpers on messages. Part of the sealed Kafka wrapper (``pipeline.kafka``)."""
+"""What every Kafka client of rlstream shares: client settings (librdkafka's own log routed to the
+``librdkafka`` Python logger, so it lands in a role's log and never as raw lines on a terminal), the
+error classification (transient, authentication, authorization), start-up retries, the bounded
+reachability check of commands run by hand (``check_reachable``), bounded calls for librdkafka
+calls that can block forever, and small helpers on messages. Part of the sealed Kafka wrapper
+(``pipeline.kafka``)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -14,10 +18,13 @@ from collections.abc import Callable, Iterable
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from pipeline import codec
-from pipeline.errors import DecodeError, KafkaClientError, TopicError
+from pipeline.errors import BrokerUnreachable, DecodeError, KafkaClientError, TopicError
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
+RDKAFKA_LOG = logging.getLogger("librdkafka")
+"""librdkafka's own log lines (confluent-kafka's ``logger`` setting, served by the client's
+poll/consume/flush), instead of its raw ``%3|...`` lines on stderr."""
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 ASSIGN_ONLY_GROUP_PREFIX = "rlstream-nogroup-"
 """Group id prefix of assign-only consumers (never committed to; librdkafka still looks it up, so a
@@ -28,6 +35,38 @@ _WEDGED: list = []
 life of the process, since destroying one would block too."""
 _auth_error: list = []
 """The newest authentication/TLS failure librdkafka reported (its error callback), if any."""
+
+
+_AFTER_MS = re.compile(r"\s*\(after \d+ms in state \w+\)")
+
+
+class _RdkafkaLog:
+    """The ``logger`` of every client: librdkafka's lines go to ``RDKAFKA_LOG``. A line that repeats
+    (a failed reconnect every few milliseconds while a broker is away) is written once per
+    ``window_s``, with the count of the ones left out; rlstream says "waiting for Kafka" itself."""
+
+    window_s = 10.0
+
+    def __init__(self):
+        self._seen: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        text = fmt % args
+        key = _AFTER_MS.sub("", text)
+        now = time.monotonic()
+        with self._lock:
+            first, repeats = self._seen.get(key, (-self.window_s, 0))
+            if now - first < self.window_s:
+                self._seen[key] = (first, repeats + 1)
+                return
+            if len(self._seen) > 1000:
+                self._seen.clear()
+            self._seen[key] = (now, 0)
+        RDKAFKA_LOG.log(level, "%s%s", text, f" ({repeats} more like it since the last one)" if repeats else "")
+
+
+_RDKAFKA = _RdkafkaLog()
 
 
 def _on_client_error(err: KafkaError) -> None:
@@ -56,6 +95,7 @@ def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "commo
         "bootstrap.servers": cfg.kafka.bootstrap_servers or DEFAULT_BOOTSTRAP,
         "client.id": f"{cfg.kafka.client_id_prefix}-{role}-{wid}",
         "log_level": 5,  # librdkafka: notice and above (info is chatty about internal queues)
+        "logger": _RDKAFKA,
         "error_cb": _on_client_error,
     }
     conf.update(cfg.kafka.common)
@@ -134,6 +174,57 @@ def retry_transient(fn: Callable, timeout: float = 30.0, what: str = "", interva
                 last_note = now
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+class _Quiet:
+    """A librdkafka ``logger`` that keeps a probe's connection noise at debug level: the outcome is
+    ``check_reachable``'s to say, in one line."""
+
+    @staticmethod
+    def log(level: int, fmt: str, *args) -> None:
+        RDKAFKA_LOG.debug(fmt, *args)
+
+
+def _reason(err: KafkaError) -> str:
+    """The useful tail of a librdkafka connection error: ``Connection refused``, ``Name or service
+    not known``, ..."""
+    text = _AFTER_MS.sub("", err.str()).strip()
+    return text.rsplit(": ", 1)[-1] or err.str()
+
+
+def check_reachable(conf: dict, timeout: float, hint: str = "") -> None:
+    """One bounded metadata round trip to the cluster of ``conf`` (``client_conf``). Raises
+    BrokerUnreachable when no broker of ``bootstrap.servers`` answers within ``timeout`` seconds
+    (with librdkafka's reason: connection refused, name not resolved, ...), KafkaClientError when
+    one answers but authentication fails. librdkafka's log lines of the attempt go to the
+    ``librdkafka`` logger at debug level; ``hint`` (what to do) ends the message. For commands run
+    by hand, before any work; roles under a supervisor retry instead (``retry_transient``)."""
+    from confluent_kafka.admin import AdminClient
+
+    errors: list[KafkaError] = []
+    bootstrap = str(conf.get("bootstrap.servers", DEFAULT_BOOTSTRAP))
+    client = AdminClient({**conf, "logger": _Quiet(), "error_cb": errors.append})
+    try:
+        client.list_topics(timeout=timeout)
+        return
+    except KafkaException as exc:
+        first = _kafka_error(exc)
+    client.poll(0)  # serve the error callbacks of the attempt
+    auth = [e for e in errors if e.code() in _AUTH_CODES]
+    if auth:
+        raise KafkaClientError(
+            f"authentication with {bootstrap} failed: {auth[-1].str()} (check kafka.common: security.protocol, "
+            "sasl.*, ssl.ca.location; docs/security.md)",
+            auth[-1],
+        )
+    detail = [e for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+    reason = _reason(detail[-1]) if detail else (first.str() if first is not None else "no answer")
+    log.debug("broker check failed %s", kv(bootstrap=bootstrap, errors=[e.str() for e in errors[-5:]]))
+    raise BrokerUnreachable(
+        f"no Kafka broker answers at {bootstrap} ({reason}; waited {timeout:g} s){'; ' + hint if hint else ''}",
+        bootstrap,
+        first,
+    )
 
 
 class WedgedClient(KafkaClientError):

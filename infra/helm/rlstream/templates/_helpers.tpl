@@ -52,6 +52,9 @@ app.kubernetes.io/component: {{ .role }}
 {{- define "rlstream.env" -}}
 - name: RLSTREAM_KAFKA__BOOTSTRAP_SERVERS
   value: {{ .Values.kafka.bootstrapServers | quote }}
+# pods may start before the cluster answers: wait for it (liveness.startup_timeout_s), do not stop after 5 s
+- name: RLSTREAM_LIVENESS__BROKER_CHECK_S
+  value: "0"
 - name: RLSTREAM_TOPICS__PREFIX
   value: {{ .Values.topicPrefix | quote }}
 - name: RLSTREAM_ROLLOUT__GROUP_ID
