@@ -115,6 +115,14 @@ def run_rlstream(ctx: BenchContext, name: str, sz: dict) -> dict:
 
 
 def run(ctx: BenchContext) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(
+            "rlstream bench trl needs TRL: pip install trl==1.16.0 (or the peer extra: pip install -e '.[peer]')"
+        )
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
     runs = []
     for r in range(sz["repeats"]):
