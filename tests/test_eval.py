@@ -4,6 +4,7 @@ per version) go to the metrics topic, where the live view, status and the report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -16,6 +17,20 @@ MODEL = [f"model.charset={json.dumps(CHARSET)}", "model.hidden_size=32", "model.
          "model.intermediate_size=64", "model.max_position_embeddings=64"]  # fmt: skip
 
 
+@contextlib.contextmanager
+def evaluating(ev):
+    """``ev`` (an Evaluator) running in a thread until the block ends; it must stop within 60 s."""
+    stop = threading.Event()
+    t = threading.Thread(target=ev.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        yield ev
+    finally:
+        stop.set()
+        t.join(60)
+    assert not t.is_alive(), "the evaluator did not stop within 60 s of its stop event"
+
+
 def test_eval_scores_version_zero_and_every_published_version(make_config, tmp_path):
     from producers.testing import forcing_state_dict, publish_version, read_topic
     from rlstream.eval import Evaluator
@@ -26,19 +41,11 @@ def test_eval_scores_version_zero_and_every_published_version(make_config, tmp_p
         *MODEL, f"eval.source={held_out}", "eval.samples=2", "rollout.max_new_tokens=1", "reward.executor=thread",
         f'reward.tasks={{{TASK} = [{{name = "exact_match", kwargs = {{extract_regex = "^(.)"}}}}]}}',
     )  # fmt: skip
-    ev = Evaluator(cfg)
-    stop = threading.Event()
-    t = threading.Thread(target=ev.run, args=(stop,), daemon=True)
-    t.start()
-    try:
+    with evaluating(Evaluator(cfg)) as ev:
         wait_for(lambda: len(ev.results) >= 1, timeout=180, what="version 0 evaluated")
         tok = ev.tokenizer
         publish_version(cfg, 1, forcing_state_dict(base_state(cfg), tok.convert_tokens_to_ids("1")))
         wait_for(lambda: len(ev.results) >= 2, timeout=180, what="version 1 evaluated")
-    finally:
-        stop.set()
-        t.join(60)
-    assert not t.is_alive()
     events = [r for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "eval"]
     by_version = {e["version"]: e["metrics"] for e in events}
     assert sorted(by_version) == [0, 1]
@@ -78,20 +85,13 @@ def test_the_final_version_is_evaluated_whatever_every_versions_says(make_config
 
     cfg = eval_config(make_config, tmp_path, "eval.every_versions=5", "trainer.max_steps=3")
     weights = answers_one(cfg)
-    ev = Evaluator(cfg)
-    stop = threading.Event()
-    t = threading.Thread(target=ev.run, args=(stop,), daemon=True)
-    t.start()
-    try:
+    with evaluating(Evaluator(cfg)) as ev:
         wait_for(lambda: len(ev.results) >= 1, timeout=180, what="version 0 evaluated")
         publish_version(cfg, 1, weights)
         time.sleep(3)  # six polls of rl.control: version 1 is seen and not due
         assert [r["version"] for r in ev.results] == [0]
         publish_version(cfg, 3, weights)
         wait_for(lambda: len(ev.results) >= 2, timeout=180, what="the final version evaluated")
-    finally:
-        stop.set()
-        t.join(60)
     assert [r["version"] for r in ev.results] == [0, 3]
     events = [r for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "eval"]
     finals = {e["version"] for e in events if e["metrics"].get("eval_final")}
