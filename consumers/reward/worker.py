@@ -142,6 +142,13 @@ class RewardWorker(Worker):
                 config=path,
             ),
         )
+        if rc.worker_id and not rc.group_instance_id:
+            log.info(
+                "dynamic membership: if this worker is killed, its partitions wait out the session timeout "
+                "before another worker gets them; for a restart that keeps them, also set "
+                "reward.group_instance_id %s",
+                kv(suggested=rc.worker_id, session_timeout_ms=rc.session_timeout_ms),
+            )
 
     def run_once(self) -> bool:
         """Score one batch in one transaction (a stop drops an unscored batch, never commits it)."""
