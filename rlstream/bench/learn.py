@@ -82,17 +82,20 @@ def run_one(ctx: BenchContext, name: str, k: int, sz: dict) -> dict:
         import sys
 
         proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        status = "budget spent"
         try:
             proc.wait(timeout=sz["budget_s"])
             status = "finished" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the launcher stops every role it started
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            status = "budget spent"
+            pass
+        finally:  # also when the bench itself is interrupted: the job never outlives it
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the launcher stops every role it started
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     cfg = resolve(sz["recipe"], sets)
     curve = eval_curve(cfg, run_dir, t0)
     result = summarize(curve, steps_log(run_dir), sz["target_gain"])
