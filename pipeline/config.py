@@ -176,6 +176,12 @@ class LivenessConfig(StrictModel):
     within this long and, if none does, stops with one line and exit code 2. 0 = no check: the
     command then waits for the cluster up to ``startup_timeout_s`` like a supervised role (for
     deployments that start roles before the cluster is up, e.g. plain Kubernetes pods)."""
+    stall_s: float = Field(300.0, ge=0, le=7 * 86_400)
+    """``rlstream run``/``demo`` stop the job (``failed: stalled: ...``, exit non-zero) when the
+    trainer has made no step for this long, counted from the start or its last step, while dead
+    letters arrived in that time: work is being thrown away and nothing trains (a reward function
+    that raises, a dataset the rollout workers cannot use). Without dead letters a slow step is
+    never stopped; the stage that makes no progress is named on screen either way. 0 = off."""
 
 
 # ---- loading ------------------------------------------------------------------------------

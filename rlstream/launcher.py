@@ -4,12 +4,17 @@ as supervised ``rlstream`` processes, with a live view, restarts, and a report a
 Steps (each a method of ``Launcher``): ``prepare`` (topics, the model built once, the resolved
 config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
 refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
-its final version is evaluated) → ``stop_roles`` →
+its final version is evaluated, or fail when the run stalls: see below) → ``stop_roles`` →
 ``write_report``. ``run(tick=...)`` calls ``tick()`` once per watch round, so a caller can act on
 the live run (``rlstream chaos`` injects its faults there and adds roles with ``add_role``); a
 string it returns ends the watch with that status. A role counts as hung when its process is alive but has published no
 MetricEvent for ``hang_after_s`` after its first one (its own watchdog normally catches hangs
 first and exits, see ``pipeline.worker``); it is SIGKILLed and restarted like a dead one.
+
+The launcher also follows the job's DLQ topic (with the metrics, one consumer, never blocking the
+loop) into a ``rlstream.stall.StallWatch``: dead letters by reason with their first message and a
+stage with work and no progress are shown; no trainer step for ``liveness.stall_s`` while dead
+letters arrive ends the run with ``failed: stalled: ...``.
 
 This is the application layer behind ``rlstream demo`` (and job runs). It is not a cluster
 launcher: for several machines run the roles yourself (docs/operations.md).
@@ -25,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.markup import escape
+
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.config import dump_toml
@@ -33,6 +40,7 @@ from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
 from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
+from rlstream.stall import StallWatch
 from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
 from rlstream.tracking import Tracker
 
@@ -92,6 +100,7 @@ class Launcher:
         self.sup: Supervisor | None = None
         self.config_path: Path | None = None
         self.progress = Progress()
+        self.stall = StallWatch(time.time(), cfg.liveness.stall_s)
         self.lags: dict[str, int] = {}
         self.report: dict = {}
         self.t_start = time.monotonic()
@@ -150,14 +159,15 @@ class Launcher:
             if not k.startswith("RLSTREAM_") or k in ("RLSTREAM_HOME", "RLSTREAM_CACHE")
         }
         status, codes = "ok", {}
-        metrics = Consumer(client_conf(self.cfg, "launcher", kind="consumer"))
-        metrics.assign([TopicPartition(self.cfg.topics.name("metrics"), 0, 0)])
+        metrics = Consumer(client_conf(self.cfg, "launcher", kind="consumer"))  # rl.metrics and rl.dlq
+        metrics.assign([TopicPartition(self.cfg.topics.name("metrics"), 0, 0), *self._dlq_partitions(metrics)])
         lags_done = threading.Event()
         lags = threading.Thread(target=self._watch_lags, args=(lags_done,), name="lags", daemon=True)
         sup = self.sup = Supervisor(self.run_dir / "logs", {**env, **CHILD_ENV}, self.policy)
         self.tracker = Tracker(self.cfg.tracking, self.run_dir, self.title)
         targets = self._write_prometheus_targets()
         try:
+            self.stall = StallWatch(time.time(), self.cfg.liveness.stall_s)
             self.start_roles(sup, config_path)
             lags.start()
             status = self.watch(sup, metrics, tick)
@@ -174,7 +184,9 @@ class Launcher:
                 targets.unlink(missing_ok=True)
             if lags.is_alive():
                 lags.join(timeout=self.cfg.kafka.request_timeout_s)
-        self.report.update(status=status, exit_codes=codes, restarts=self._restarts, restarts_total=sup.restarts_total)
+        self.report.update(status=status, exit_codes=codes, restarts=self._restarts, restarts_total=sup.restarts_total,
+                           dead_letters={f"{s}/{r}": {"count": d.count, "first_error": d.first}
+                                         for (s, r), d in sorted(self.stall.dead.by_key.items())})  # fmt: skip
         return self.report
 
     def watch(self, sup: Supervisor, metrics: Consumer, tick=None) -> str:
@@ -201,10 +213,14 @@ class Launcher:
                 if view:
                     view.update(self._render())
                 elif now - last_print > 10:
-                    self.console.print(self._line(), highlight=False)
+                    self.console.print(self._line(), highlight=False, soft_wrap=True)
                     last_print = now
                 if "trainer" in finished and self._final_eval_done(sup):
                     return "ok"
+                if "trainer" not in finished and (stalled := self.stall.verdict(time.time())):
+                    say = f"[bold red]{escape(stalled)}[/]; stopping the job"
+                    self.console.print(say, highlight=False, soft_wrap=True)
+                    return f"failed: {stalled}"
                 if tick is not None and (outcome := tick()):
                     return outcome
         except ChildDied as exc:
@@ -242,13 +258,32 @@ class Launcher:
             return True
         return False
 
+    def _dlq_partitions(self, consumer: Consumer) -> list[TopicPartition]:
+        """Every partition of the DLQ topic, from its start (the view counts the job's dead letters)."""
+        topic = self.cfg.topics.name("dlq")
+        try:
+            parts = consumer.partitions(topic, timeout=self.cfg.kafka.request_timeout_s)
+        except Exception as exc:  # the display must not stop the run; the configured count is a floor
+            log.warning("dlq partitions unknown, using the configured count %s", kv(topic=topic, error=exc))
+            parts = range(self.cfg.topics.dlq.partitions)
+        return [TopicPartition(topic, p, 0) for p in parts]
+
     def _drain_metrics(self, metrics: Consumer, timeout: float) -> None:
+        """Fold what the follow consumer has: MetricEvents (progress, tracking) and DeadLetters."""
+        dlq = self.cfg.topics.name("dlq")
         for m in metrics.consume(1000, timeout):
+            if m.topic() == dlq:
+                try:
+                    self.stall.add_dead_letter(codec.decode_as(m.value(), "DeadLetter"))
+                except DecodeError:
+                    self.stall.dead.add_undecodable()
+                continue
             try:
                 ev = codec.decode_as(m.value(), "MetricEvent")
             except DecodeError:  # a foreign record on the metrics topic must not stop the run
                 continue
             self.progress.add(ev)
+            self.stall.add_metric(ev)
             self.tracker.add(ev)
 
     def _write_prometheus_targets(self) -> Path | None:
@@ -309,14 +344,19 @@ class Launcher:
     def _render(self):
         elapsed = time.monotonic() - self.t_start
         return render(self.progress, self.lags, self.cfg.trainer.max_steps, self.cfg.rl.max_staleness, elapsed,
-                      self.title, getattr(self, "_restarts", {}))  # fmt: skip
+                      self.title, getattr(self, "_restarts", {}), dead_letters=self.stall.dead.summary(),
+                      stalled=self.stall.stalled(time.time(), self.lags))  # fmt: skip
 
     def _line(self) -> str:
+        """The plain progress line (console markup escaped: the title and messages are shown as they are)."""
         p, last = self.progress, (self.progress.steps[-1] if self.progress.steps else {})
-        return (
+        stalled, dead = self.stall.stalled(time.time(), self.lags), self.stall.dead.summary()
+        return escape(
             f"[{self.title}] {time.monotonic() - self.t_start:5.0f}s step {last.get('step', 0)}/{self.cfg.trainer.max_steps} "
             f"reward(last10)={p.recent_reward() or 0:.3f} samples/s={p.throughput():.1f} lag={self.lags} "
             f"restarts={getattr(self, '_restarts', {}) or 0}"
+            + (f" dead letters: {dead}" if dead else "")
+            + (f" stalled: {'; '.join(stalled)}" if stalled else "")
         )
 
     def finish_report(self, extra: dict) -> dict:
@@ -342,9 +382,10 @@ class Launcher:
         write_report(self.run_dir, r)
         plots = plot_report(self.run_dir, r)
         self.console.print(
-            f"[bold]{r['status']}[/]: {r['steps_completed']} steps in {r['wall_time_s']} s; reward "
+            f"[bold]{escape(r['status'])}[/]: {r['steps_completed']} steps in {r['wall_time_s']} s; reward "
             f"{r['reward_first10_mean'] or 0:.3f} (first 10 steps) -> {r['reward_last10_mean'] or 0:.3f} "
             f"(last 10); restarts {r.get('restarts_total', 0)}; report {self.run_dir / 'report.json'}; "
-            f"plots {', '.join(p.name for p in plots)}"
+            f"plots {', '.join(p.name for p in plots)}",
+            soft_wrap=True,
         )
         return r

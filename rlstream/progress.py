@@ -82,8 +82,11 @@ class Progress:
         return staleness_histogram(self.steps)
 
 
-def render(p: Progress, lags: dict, max_steps: int, k: int, elapsed: float, title: str = "rlstream", restarts=None):
-    """The live view: a rich table of the run's state."""
+def render(p: Progress, lags: dict, max_steps: int, k: int, elapsed: float, title: str = "rlstream", restarts=None,
+           dead_letters: str = "", stalled: list[str] | None = None):  # fmt: skip
+    """The live view: a rich table of the run's state; ``dead_letters`` and ``stalled`` (from
+    ``rlstream.stall``) are shown in red when there are any."""
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=f"{title} — k = {k}, {elapsed:.0f} s", show_header=False, expand=False)
@@ -105,4 +108,8 @@ def render(p: Progress, lags: dict, max_steps: int, k: int, elapsed: float, titl
             "eval (newest)", f"v{v}: reward {p.evals[v]['reward_mean']:.3f}  pass@1 {p.evals[v]['pass_at_1']:.3f}"
         )
     t.add_row("restarts", "  ".join(f"{n}: {c}" for n, c in sorted((restarts or {}).items())) or "none")
+    if dead_letters:
+        t.add_row("dead letters (rl.dlq)", f"[red]{escape(dead_letters)}[/]")
+    if stalled:
+        t.add_row("stalled", f"[bold red]{escape('; '.join(stalled))}[/]")
     return t

@@ -5,7 +5,8 @@ Per stage (prompts → rollout group, rollouts → reward group, scored → trai
 records, committed position, lag in records per partition, lag in policy versions (trainer version
 minus ``version_min`` of the oldest unconsumed record), and throughput from two offset samples
 ``interval`` seconds apart. Plus the trainer's version, each rollout worker's loaded version,
-DLQ counts by reason, stale-dropped counts and the newest metrics per worker.
+DLQ counts by reason with the first error message of each, stale-dropped counts and the newest
+metrics per worker.
 
 It only reads; it never commits or joins a group.
 """
@@ -13,12 +14,12 @@ It only reads; it never commits or joins a group.
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from pipeline import codec
 from pipeline.admin import Admin
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
+from rlstream.stall import DeadLetters
 
 STAGES = (  # stage, input topic role, consumer group attribute, output topic role
     ("rollout", "prompts", "rollout", "rollouts"),
@@ -94,14 +95,15 @@ class StatusReader:
                 newest[key] = rec
         return newest
 
-    def dlq(self) -> dict[str, int]:
-        counts: Counter = Counter()
+    def dlq(self) -> dict[str, dict]:
+        """reason -> {count, first_error}: every dead letter on the topic, the earliest one's message."""
+        dead = DeadLetters()
         for m in self._read_all(self.cfg.topics.name("dlq")):
             try:
-                counts[codec.decode_as(m.value(), "DeadLetter")["error_type"]] += 1
+                dead.add(codec.decode_as(m.value(), "DeadLetter"))
             except DecodeError:
-                counts["undecodable_dead_letter"] += 1
-        return dict(counts)
+                dead.add_undecodable()
+        return {reason: {"count": r.count, "first_error": r.first} for reason, r in dead.by_reason().items()}
 
     def offsets(self) -> dict[str, dict]:
         out = {}
@@ -112,6 +114,14 @@ class StatusReader:
             committed = self.admin.committed(group, topic, len(marks)) if group else {}
             out[stage] = {"topic": topic, "group": group, "marks": marks, "committed": committed}
         return out
+
+    def _dlq_view(self) -> dict:
+        """``dlq``: counts by reason (as before); ``dlq_first_error``: the first message of each."""
+        by_reason = self.dlq()
+        return {
+            "dlq": {k: v["count"] for k, v in by_reason.items()},
+            "dlq_first_error": {k: v["first_error"] for k, v in by_reason.items()},
+        }
 
     def snapshot(self, interval: float = 2.0) -> dict:
         t0 = time.time()
@@ -171,7 +181,7 @@ class StatusReader:
             "weight_updates": ctl["weight_updates"],
             "rollout_loaded_versions": rollout_versions,
             "stages": stages,
-            "dlq": self.dlq(),
+            **self._dlq_view(),
             "stale_dropped": stale,
             "workers": {
                 k: {
@@ -188,6 +198,7 @@ class StatusReader:
 def render(snap: dict):
     """A rich renderable of a snapshot."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=f"rlstream status — trainer version {snap['trainer_version']}", expand=False)
@@ -210,7 +221,12 @@ def render(snap: dict):
         keys = [m for m in r["metrics"] if m.endswith("_rate")][:4]
         w.add_row(k, str(r["version"]), str(r["age_s"]), ", ".join(f"{m}={r['metrics'][m]:.2f}" for m in keys))
     extra = Table(show_header=False)
-    extra.add_row("DLQ by reason", ", ".join(f"{k}: {v}" for k, v in snap["dlq"].items()) or "empty")
+    first = snap.get("dlq_first_error", {})
+    extra.add_row(
+        "DLQ by reason",
+        escape("\n".join(f"{k}: {v}" + (f" ({first[k]})" if first.get(k) else "") for k, v in snap["dlq"].items()))
+        or "empty",
+    )
     extra.add_row("stale dropped", str(int(snap["stale_dropped"])))
     if snap.get("eval"):
         e = snap["eval"]
