@@ -156,6 +156,9 @@ def reward(traj: dict) -> float:
 '''
 
 
+MESSAGE = "ZeroDivisionError: division by zero (in reward 'boom:reward')"
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_a_job_whose_reward_raises_stops_non_zero_and_says_why(cli_env, tmp_path):
@@ -195,12 +198,13 @@ def test_a_job_whose_reward_raises_stops_non_zero_and_says_why(cli_env, tmp_path
     lines = [(t, x.rstrip()) for t, x in heard if x.startswith("stalled: no step for")]
     assert len(lines) == 1, said[-3000:]
     said_at, line = lines[0]
-    assert "reward_error: ZeroDivisionError: division by zero" in line and line.endswith("stopping the job")
+    assert "reward_error: ZeroDivisionError: division by zero (in reward 'boom:reward')" in line, line
+    assert line.endswith("stopping the job"), line
     run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / "boom-job"
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"].startswith("failed: stalled: no step for"), report["status"]
     assert report["steps_completed"] == 0
-    assert report["dead_letters"]["reward/reward_error"]["first_error"] == "ZeroDivisionError: division by zero"
+    assert report["dead_letters"]["reward/reward_error"]["first_error"] == MESSAGE
     print(f"\n[stall] rlstream run said {line!r} {said_at:.0f} s after it started; exit {code} after "
           f"{took:.0f} s (liveness.stall_s = 20)")  # fmt: skip
 
@@ -208,9 +212,9 @@ def test_a_job_whose_reward_raises_stops_non_zero_and_says_why(cli_env, tmp_path
     status = subprocess.run([*rlstream_cmd(), "-c", config, "status", "--interval", "0.2"], env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert status.returncode == 0, status.stderr[-3000:]
-    assert "reward_error: " in status.stdout and "(ZeroDivisionError: division by zero)" in status.stdout, status.stdout
+    assert "reward_error: " in status.stdout and f"({MESSAGE})" in status.stdout, status.stdout
     snap = subprocess.run([*rlstream_cmd(), "-c", config, "status", "--json", "--interval", "0.2"], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     got = json.loads(snap.stdout)
     assert got["dlq"]["reward_error"] == report["dead_letters"]["reward/reward_error"]["count"] > 0
-    assert got["dlq_first_error"]["reward_error"] == "ZeroDivisionError: division by zero"
+    assert got["dlq_first_error"]["reward_error"] == MESSAGE

@@ -143,7 +143,11 @@ class WeightedReward:
     def __call__(self, trajectory: dict) -> RewardResult:
         total, details = 0.0, {}
         for label, weight, fn in self.terms:
-            res = fn(trajectory)
+            try:
+                res = fn(trajectory)
+            except Exception as exc:  # the dead letter names the term that raised (pool._call)
+                exc.reward_term = label
+                raise
             total += weight * res.reward
             details[label] = res.reward
             for k, v in res.details.items():

@@ -60,7 +60,8 @@ def _call(router, traj: dict) -> tuple[str, object, float]:
         res = router(traj)
         out: tuple[str, object] = ("ok", (res.reward, dict(res.details)))
     except Exception as exc:  # a reward function's failure is data, not a crash
-        out = ("error", f"{type(exc).__name__}: {exc}"[:2000])
+        term = getattr(exc, "reward_term", None)
+        out = ("error", (f"{type(exc).__name__}: {exc}" + (f" (in reward {term!r})" if term else ""))[:2000])
     return out[0], out[1], (time.perf_counter() - t0) * 1000
 
 
