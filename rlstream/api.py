@@ -119,7 +119,9 @@ class Job:
         report = launch(self.path, self.sets, preset=self._preset, name=self._name, flags=flags, keep_broker=keep,
                         live=live)  # fmt: skip
         if report["status"] == "interrupted":
-            raise KeyboardInterrupt(f"job {self.name} interrupted; every role stopped; report {self.run_dir}")
+            raise KeyboardInterrupt(
+                f"job {self.name}: interrupted; every role stopped; report {self.run_dir / 'report.json'}"
+            )
         if report["status"] != "ok":
             raise JobFailed(
                 f"job {self.name}: {report['status']} at step {report.get('steps_completed', 0)} of "
