@@ -78,5 +78,14 @@ class UnknownVersion(RlstreamError):
     weights are gone from the store. The message lists the versions there are."""
 
 
+class JobFailed(RlstreamError):
+    """A job run (``rlstream.Job.run``) ended short of its target: a role died, crash-looped or
+    hung for good. ``report`` is the run's report, also in ``<run dir>/report.json``."""
+
+    def __init__(self, message: str, report: dict):
+        self.report = report
+        super().__init__(message)
+
+
 class BrokerError(RlstreamError):
     """The local broker could not be set up, started or stopped."""

@@ -17,6 +17,7 @@ Helm chart (docs/deployment.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -74,7 +75,7 @@ def resolve(config_path, sets: list[str], preset: dict | None = None, name: str 
     from rlstream.config import Config
 
     path = config_path or os.environ.get("RLSTREAM_CONFIG")
-    tree = merge(dict(preset or {}), load_tree(path, sets, dict(os.environ)))
+    tree = layers(path, sets, preset)
     merge(tree, cli_overrides(flags or []))
     job = tree.setdefault("job", {})
     job["name"] = name or job.get("name") or (Path(path).stem if path else "")
@@ -98,6 +99,13 @@ def resolve(config_path, sets: list[str], preset: dict | None = None, name: str 
     if cfg.job.eval and cfg.eval.source is None:
         raise ConfigError("job.eval = true needs eval.source (or job.dataset.held_out > 0)")
     return cfg
+
+
+def layers(config_path, sets: list[str], preset: dict | None = None) -> dict:
+    """The raw settings, before the job's own places: ``preset`` < the job file (else
+    ``RLSTREAM_CONFIG``) < env < ``--set``. ``preset`` is not changed."""
+    path = config_path or os.environ.get("RLSTREAM_CONFIG")
+    return merge(copy.deepcopy(preset or {}), load_tree(path, sets, dict(os.environ)))
 
 
 def generated_data(cfg, set_feed: bool, set_eval: bool) -> None:
@@ -146,6 +154,37 @@ def kafka_for(cfg, keep_broker: bool, say):
     finally:
         if started_here and not keep_broker:
             broker.stop(progress=say)
+
+
+@contextlib.contextmanager
+def connected(cfg, keep_broker: bool, say):
+    """``kafka_for`` the job, checked: BrokerUnreachable (one line) when nothing answers there
+    within ``liveness.broker_check_s``; ``cfg.kafka.bootstrap_servers`` is set to the address.
+    ``rlstream run`` and every method of ``rlstream.Job`` reach Kafka this way."""
+    from rlstream.config import require_broker
+
+    with kafka_for(cfg, keep_broker, say) as bootstrap:
+        require_broker(cfg, bootstrap)
+        cfg.kafka.bootstrap_servers = bootstrap
+        yield cfg
+
+
+def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str | None = None,
+           flags: list[str] | None = None, keep_broker: bool = False, live: bool | None = None,
+           console=None) -> dict:  # fmt: skip
+    """``rlstream run`` (and ``rlstream.Job.run``): the job's Kafka (``connected``), checked before
+    any work; then its config (``resolve``'s arguments, with the address found), the job file's
+    directory for reward modules, and ``run_job``; returns the report."""
+    from rich.console import Console
+
+    from rlstream.config import Config, record_job_dir
+
+    console = console or Console(stderr=True)
+    base = validate(Config, layers(job_file, sets, preset))
+    with connected(base, keep_broker, console.print):
+        cfg = resolve(job_file, sets, preset, name, flags, base.kafka.bootstrap_servers)
+        record_job_dir(cfg, job_file)
+        return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console)
 
 
 def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_report: dict | None = None) -> dict:
