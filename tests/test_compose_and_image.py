@@ -79,6 +79,17 @@ def test_every_role_command_is_a_real_rlstream_command():
     assert (job.parent / os.path.basename(cfg["feed"]["source"])).is_file()
 
 
+def test_roles_restart_on_failure_and_stay_stopped_when_done():
+    """docs/operations.md: a role that exits non-zero is restarted; one that finished (exit 0: the
+    feed at its limit, the trainer at max_steps) stays stopped. The one-shot topic creation is
+    waited for by `up` (service_completed_successfully), so it is not restarted."""
+    services = project()["services"]
+    assert services["topics"]["restart"] == "no"
+    for name in set(ROLE_SERVICES) - {"topics"}:
+        assert services[name]["restart"] == "on-failure", f"{name}: restart {services[name].get('restart')!r}"
+        assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+
+
 def test_prometheus_scrapes_the_compose_roles():
     services = project()["services"]
     mount = next(v for v in services["prometheus"]["volumes"] if v["target"] == "/etc/prometheus/prometheus.yml")
