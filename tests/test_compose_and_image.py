@@ -119,7 +119,25 @@ def test_kafbat_ui_loads_the_rlstream_serde():
         REPO / "infra/kafbat-serde/target/plugin"
     )
     assert os.path.samefile(mounts[env["KAFKA_CLUSTERS_0_SERDE_0_PROPERTIES_SCHEMASDIR"]], REPO / "schemas")
-    assert re.fullmatch(env["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"], "rl.rollouts")
+
+
+def test_kafbat_serde_is_the_default_for_every_rlstream_topic_of_any_job():
+    """The shipped compose file's topic pattern (read as YAML, no loader needed), used the way Kafbat
+    uses it (``Pattern.matcher(topic).matches()``: a full match), and the same pattern in the docs."""
+    from pipeline.config import TopicsConfig
+
+    env = yaml.safe_load(COMPOSE.read_text())["services"]["kafbat-ui"]["environment"]
+    pattern = env["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"]
+    names = [spec.name for spec in TopicsConfig().specs().values()]
+    for prefix in ("rl.", "myjob.", "demo-20261125-113000.", "team.exp-3.", ""):
+        for name in names:
+            assert re.fullmatch(pattern, prefix + name), f"{prefix + name} is not decoded by the rlstream serde"
+    for other in ("__consumer_offsets", "orders", "rl.prompts.bak", "myjob.prompts-retry", "myjob-prompts",
+                  "rl.", "prompts2", "_schemas", "rl.prompts2"):  # fmt: skip
+        assert not re.fullmatch(pattern, other), other
+    docs = (REPO / "docs/deployment.md").read_text()
+    (line,) = [x for x in docs.splitlines() if x.startswith("KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN:")]
+    assert yaml.safe_load(line)["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"] == pattern
 
 
 # ---- Dockerfile --------------------------------------------------------------------------------
