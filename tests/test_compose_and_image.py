@@ -152,13 +152,19 @@ def dockerignored(path: str) -> bool:
     return any(p and not p.startswith("#") and fnmatch.fnmatch(path, p) for p in patterns)
 
 
-def test_dockerfile_bases_entrypoint_and_copy_sources():
-    ins = instructions()
+def base_images() -> dict[str, str]:
+    """Stage name ('' for an unnamed one) -> the image it starts FROM."""
     stages = {}
-    for op, arg in ins:
+    for op, arg in instructions():
         if op == "FROM":
             image, _, stage = arg.partition(" AS ")
             stages[stage.strip()] = image.strip()
+    return stages
+
+
+def test_dockerfile_bases_entrypoint_and_copy_sources():
+    ins = instructions()
+    stages = base_images()
     variant = next(a for op, a in ins if op == "ARG" and a.startswith("VARIANT="))
     assert variant == "VARIANT=cpu" and stages[""] == "base-${VARIANT}"
     for stage in ("base-cpu", "base-cuda"):
@@ -174,6 +180,20 @@ def test_dockerfile_bases_entrypoint_and_copy_sources():
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     for pkg in {p.rstrip("*") for p in packages}:
         assert (REPO / pkg).is_dir() and not dockerignored(pkg), f"package {pkg} is not in the build context"
+
+
+def test_cuda_base_is_the_cuda_of_the_pinned_torch_wheel():
+    """The cuda variant installs PyPI's torch at the pyproject pin; its CUDA (the installed torch's,
+    when that is the same PyPI build) must be the base image's CUDA major.minor."""
+    torch = pytest.importorskip("torch")
+    hf = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    (pin,) = [r.removeprefix("torch==") for r in hf if r.startswith("torch==")]
+    if torch.__version__.split("+")[0] != pin or torch.version.cuda is None:
+        pytest.skip(f"the installed torch {torch.__version__} is not PyPI's CUDA build of torch=={pin}")
+    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-[\w-]*runtime-ubuntu[\d.]+", base_images()["base-cuda"])
+    assert m, base_images()["base-cuda"]
+    cuda = ".".join(torch.version.cuda.split(".")[:2])
+    assert m.group(1) == cuda, f"base-cuda is CUDA {m.group(1)}, torch=={pin} from PyPI is built for CUDA {cuda}"
 
 
 def test_dockerfile_requirement_list_comes_from_pyproject(tmp_path):
