@@ -9,9 +9,11 @@ the eval curve (``eval/*``) at the policy version, and every other role's gauges
 caller knows them) on the trainer's axis too: each series gets one point per trainer step, its
 latest value while that step was the trainer's newest (written when the next step arrives, or at
 close), with the wall time it was reported at. So every series shares TensorBoard's step axis, and
-no series repeats a step (TensorBoard would keep only its last point there). ``rlstream demo`` (and job runs) feed their own metrics stream into a
-Tracker writing ``<run dir>/tensorboard``; ``rlstream track`` runs one as a process of its own for
-a pipeline started some other way. ``tensorboard --logdir <run dir>`` shows the run.
+no series repeats a step (TensorBoard would keep only its last point there).
+
+``rlstream demo`` (and job runs) feed their own metrics stream into a Tracker writing
+``<run dir>/tensorboard``; ``rlstream track`` runs one as a process of its own for a pipeline
+started some other way. ``tensorboard --logdir <run dir>`` shows the run.
 
 torch's SummaryWriter (which needs the ``tensorboard`` package, the ``track`` extra) and wandb are
 imported only here. What this is not: a metrics store; Kafka and Prometheus are.
