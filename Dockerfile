@@ -16,7 +16,12 @@ FROM python:3.11.14-slim-bookworm AS base-cpu
 ENV RLSTREAM_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN python -m venv /opt/venv
 
-FROM nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04 AS base-cuda
+# CUDA 13.0, the CUDA of PyPI's torch 2.13.0 wheel (2.13.0+cu130, which pip installs here: no extra
+# index). The wheel brings its own CUDA libraries; the base's CUDA version states the driver the
+# image needs (NVIDIA_REQUIRE_CUDA=cuda>=13.0, driver >= 580), so the container runtime refuses an
+# older driver at start instead of torch failing later. tests/test_compose_and_image.py checks the
+# match against the installed torch.
+FROM nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04 AS base-cuda
 ENV RLSTREAM_TORCH_INDEX=
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-dev \

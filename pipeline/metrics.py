@@ -125,7 +125,10 @@ class WorkerMetrics:
     def _update_prometheus(self, metrics: dict[str, float]) -> None:
         if self._prom is None:
             return
-        for k, v in {**metrics, "policy_version": float(self.version)}.items():
+        # policy_version only for a worker that holds weights (trainer, rollout, eval): a reward
+        # worker's version stays -1, which is no version, so it has no such series at all
+        own = {"policy_version": float(self.version)} if self.version >= 0 else {}
+        for k, v in {**metrics, **own}.items():
             name = "rlstream_" + "".join(c if c.isalnum() else "_" for c in k)
             g = self._prom.get(name)
             if g is None:

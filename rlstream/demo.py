@@ -30,6 +30,18 @@ from rlstream.config import load_config, record_job_dir, require_broker
 
 TASK = "next_digit"
 CHARSET = "0123456789+=>? "
+DEMO_MODEL = {
+    "charset": CHARSET,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 2,
+    "num_heads": 2,
+    "max_position_embeddings": 64,
+}
+"""The demo's model (``model.type = "tiny"``), the one owner of its shape: examples/next-digit.toml,
+infra/compose/job.toml and the Helm values repeat it (tests/test_demo_model.py checks they agree).
+Head size 64 / 2 = 32: vLLM's CPU attention kernels take head sizes 32, 64, 96, ..., 256 (and 80,
+112) only, so ``--engine vllm`` runs it on a CPU too (with 4 heads of 16 it refused)."""
 
 
 @dataclass
@@ -79,13 +91,13 @@ def demo_settings(run_dir: Path, run_id: str) -> list[str]:
         "trainer.group_timeout_s=60",
         "trainer.metrics_interval_s=2",
         "trainer.keep_weight_versions=3",
-        f"model.charset={json.dumps(CHARSET)}",
-        "model.hidden_size=64",
-        "model.intermediate_size=128",
-        "model.num_layers=2",
-        "model.num_heads=4",
-        "model.max_position_embeddings=64",
+        *model_settings(),
     ]
+
+
+def model_settings() -> list[str]:
+    """``DEMO_MODEL`` as ``--set`` items."""
+    return [f"model.{k}={json.dumps(v)}" for k, v in DEMO_MODEL.items()]
 
 
 def flag_settings(opts: DemoOptions) -> list[str]:

@@ -5,10 +5,15 @@
 grad norm, lr, samples/s, the staleness histogram as ``staleness/lag_<d>``, the samples trained as
 ``trainer/step_samples``; a step whose samples were all stale has no reward or loss point) at the trainer step,
 the eval curve (``eval/*``) at the policy version, and every other role's gauges and rates
-(``rollout/<worker>/*``, ``reward/<worker>/*``) at seconds since the run started; lags per stage
-when the caller knows them. ``rlstream demo`` (and job runs) feed their own metrics stream into a
-Tracker writing ``<run dir>/tensorboard``; ``rlstream track`` runs one as a process of its own for
-a pipeline started some other way. ``tensorboard --logdir <run dir>`` shows the run.
+(``rollout/<worker>/*``, ``reward/<worker>/*``) and the lags per stage (``lag/<stage>``, when the
+caller knows them) on the trainer's axis too: each series gets one point per trainer step, its
+latest value while that step was the trainer's newest (written when the next step arrives, or at
+close), with the wall time it was reported at. So every series shares TensorBoard's step axis, and
+no series repeats a step (TensorBoard would keep only its last point there).
+
+``rlstream demo`` (and job runs) feed their own metrics stream into a Tracker writing
+``<run dir>/tensorboard``; ``rlstream track`` runs one as a process of its own for a pipeline
+started some other way. ``tensorboard --logdir <run dir>`` shows the run.
 
 torch's SummaryWriter (which needs the ``tensorboard`` package, the ``track`` extra) and wandb are
 imported only here. What this is not: a metrics store; Kafka and Prometheus are.
@@ -51,8 +56,8 @@ class TrackingConfig(StrictModel):
 
 class Tracker:
     def __init__(self, tc: TrackingConfig, run_dir: Path, name: str = "rlstream"):
-        self.t0 = time.time()
         self._last_step = -1
+        self._pending: dict[str, tuple[float, float]] = {}  # tag -> latest (value, wall) at this step
         self.tb = self.wandb = None
         if tc.tensorboard:
             try:
@@ -84,6 +89,7 @@ class Tracker:
             step = int(m["step"])
             if step <= self._last_step:
                 return  # a periodic event repeating the last step's gauges
+            self._flush()
             self._last_step = step
             trained = step_samples(m)
             self._scalar("trainer/step_samples", trained, step, wall)
@@ -99,16 +105,23 @@ class Tracker:
             for k, v in m.items():
                 self._scalar(f"eval/{k.removeprefix('eval_')}", v, ev["version"], wall)
         elif role != "trainer":
-            step = int(wall - self.t0)
             for k, v in m.items():
-                self._scalar(f"{role}/{ev['worker_id']}/{k}", v, step, wall)
+                self._pending[f"{role}/{ev['worker_id']}/{k}"] = (v, wall)
 
     def lags(self, lags: dict[str, int]) -> None:
         now = time.time()
         for stage, n in lags.items():
-            self._scalar(f"lag/{stage}", n, int(now - self.t0), now)
+            self._pending[f"lag/{stage}"] = (n, now)
+
+    def _flush(self) -> None:
+        """The pending role gauges and lags, at the trainer step they were the latest of."""
+        step = max(self._last_step, 0)
+        for tag, (value, wall) in self._pending.items():
+            self._scalar(tag, value, step, wall)
+        self._pending.clear()
 
     def close(self) -> None:
+        self._flush()
         if self.tb is not None:
             self.tb.close()
             log.info("tensorboard event files written %s", kv(dir=self.dir))

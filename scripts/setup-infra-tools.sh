@@ -40,13 +40,28 @@ else
 fi
 
 # --- helm ------------------------------------------------------------------------------------
-# (a `go install`ed helm reports its version as "v3.22": the stamp file records the exact one)
-if [ -x "$BIN/helm" ] && [ "$(cat "$BIN/.helm.version" 2>/dev/null)" = "$HELM_VERSION" ]; then
+# Linked as helm's own release build is (the -X flags of its Makefile): its exact version, and the
+# Kubernetes version that `helm template` and `helm lint` assume without a cluster, i.e. the one of
+# the client-go it is built with (v0.37 -> 1.37 for helm v3.22.0). A plain `go install` leaves that
+# default at 1.20, which the chart's `kubeVersion: >=1.28.0-0` refuses. The stamp names the build
+# recipe, so a helm built the old way is rebuilt.
+HELM_STAMP="$HELM_VERSION release-ldflags"
+helm_ldflags() {  # prints the -ldflags value, from helm's go.mod in the module cache
+  local gomod minor
+  gomod=$(go mod download -json "helm.sh/helm/v3@$HELM_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')
+  minor=$(sed -n 's|^[[:space:]]*k8s.io/client-go v0\.\([0-9][0-9]*\)\..*|\1|p' "$gomod" 2>/dev/null)
+  [ -n "$minor" ] || return 1
+  local v=helm.sh/helm/v3
+  echo "-X $v/internal/version.version=$HELM_VERSION -X $v/pkg/chartutil.k8sVersionMajor=1" \
+    "-X $v/pkg/chartutil.k8sVersionMinor=$minor -X $v/pkg/lint/rules.k8sVersionMajor=1" \
+    "-X $v/pkg/lint/rules.k8sVersionMinor=$minor"
+}
+if [ -x "$BIN/helm" ] && [ "$(cat "$BIN/.helm.version" 2>/dev/null)" = "$HELM_STAMP" ]; then
   say "helm $HELM_VERSION: $BIN/helm"
 elif command -v go >/dev/null; then
   say "building helm $HELM_VERSION from the Go module proxy (a few minutes, once)"
-  if GOBIN="$BIN" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"; then
-    echo "$HELM_VERSION" >"$BIN/.helm.version"
+  if ldflags=$(helm_ldflags) && GOBIN="$BIN" go install -ldflags "$ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"; then
+    echo "$HELM_STAMP" >"$BIN/.helm.version"
     say "helm $HELM_VERSION: $BIN/helm"
   else
     skip helm "go install failed"

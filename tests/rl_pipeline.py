@@ -14,10 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlstream.demo import write_task  # noqa: F401  (the tests' task file)
-
-TASK = "next_digit"
-CHARSET = "0123456789+=>? "
+from rlstream.demo import TASK, model_settings, write_task  # noqa: F401  (write_task: the tests' task file)
 
 
 def settings(task_file: Path, prefix: str, steps: int, G: int = 8, n: int = 8, k: int = 1) -> list[str]:
@@ -48,12 +45,7 @@ def settings(task_file: Path, prefix: str, steps: int, G: int = 8, n: int = 8, k
         "trainer.poll_timeout_s=0.2",
         "trainer.keep_weight_versions=3",
         "model.type=tiny",
-        f"model.charset={json.dumps(CHARSET)}",
-        "model.hidden_size=64",
-        "model.intermediate_size=128",
-        "model.num_layers=2",
-        "model.num_heads=4",
-        "model.max_position_embeddings=64",
+        *model_settings(),
     ]
 
 

@@ -79,6 +79,17 @@ def test_every_role_command_is_a_real_rlstream_command():
     assert (job.parent / os.path.basename(cfg["feed"]["source"])).is_file()
 
 
+def test_roles_restart_on_failure_and_stay_stopped_when_done():
+    """docs/operations.md: a role that exits non-zero is restarted; one that finished (exit 0: the
+    feed at its limit, the trainer at max_steps) stays stopped. The one-shot topic creation is
+    waited for by `up` (service_completed_successfully), so it is not restarted."""
+    services = project()["services"]
+    assert services["topics"]["restart"] == "no"
+    for name in set(ROLE_SERVICES) - {"topics"}:
+        assert services[name]["restart"] == "on-failure", f"{name}: restart {services[name].get('restart')!r}"
+        assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+
+
 def test_prometheus_scrapes_the_compose_roles():
     services = project()["services"]
     mount = next(v for v in services["prometheus"]["volumes"] if v["target"] == "/etc/prometheus/prometheus.yml")
@@ -108,7 +119,25 @@ def test_kafbat_ui_loads_the_rlstream_serde():
         REPO / "infra/kafbat-serde/target/plugin"
     )
     assert os.path.samefile(mounts[env["KAFKA_CLUSTERS_0_SERDE_0_PROPERTIES_SCHEMASDIR"]], REPO / "schemas")
-    assert re.fullmatch(env["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"], "rl.rollouts")
+
+
+def test_kafbat_serde_is_the_default_for_every_rlstream_topic_of_any_job():
+    """The shipped compose file's topic pattern (read as YAML, no loader needed), used the way Kafbat
+    uses it (``Pattern.matcher(topic).matches()``: a full match), and the same pattern in the docs."""
+    from pipeline.config import TopicsConfig
+
+    env = yaml.safe_load(COMPOSE.read_text())["services"]["kafbat-ui"]["environment"]
+    pattern = env["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"]
+    names = [spec.name for spec in TopicsConfig().specs().values()]
+    for prefix in ("rl.", "myjob.", "demo-20261125-113000.", "team.exp-3.", ""):
+        for name in names:
+            assert re.fullmatch(pattern, prefix + name), f"{prefix + name} is not decoded by the rlstream serde"
+    for other in ("__consumer_offsets", "orders", "rl.prompts.bak", "myjob.prompts-retry", "myjob-prompts",
+                  "rl.", "prompts2", "_schemas", "rl.prompts2"):  # fmt: skip
+        assert not re.fullmatch(pattern, other), other
+    docs = (REPO / "docs/deployment.md").read_text()
+    (line,) = [x for x in docs.splitlines() if x.startswith("KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN:")]
+    assert yaml.safe_load(line)["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"] == pattern
 
 
 # ---- Dockerfile --------------------------------------------------------------------------------
@@ -123,13 +152,19 @@ def dockerignored(path: str) -> bool:
     return any(p and not p.startswith("#") and fnmatch.fnmatch(path, p) for p in patterns)
 
 
-def test_dockerfile_bases_entrypoint_and_copy_sources():
-    ins = instructions()
+def base_images() -> dict[str, str]:
+    """Stage name ('' for an unnamed one) -> the image it starts FROM."""
     stages = {}
-    for op, arg in ins:
+    for op, arg in instructions():
         if op == "FROM":
             image, _, stage = arg.partition(" AS ")
             stages[stage.strip()] = image.strip()
+    return stages
+
+
+def test_dockerfile_bases_entrypoint_and_copy_sources():
+    ins = instructions()
+    stages = base_images()
     variant = next(a for op, a in ins if op == "ARG" and a.startswith("VARIANT="))
     assert variant == "VARIANT=cpu" and stages[""] == "base-${VARIANT}"
     for stage in ("base-cpu", "base-cuda"):
@@ -145,6 +180,20 @@ def test_dockerfile_bases_entrypoint_and_copy_sources():
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     for pkg in {p.rstrip("*") for p in packages}:
         assert (REPO / pkg).is_dir() and not dockerignored(pkg), f"package {pkg} is not in the build context"
+
+
+def test_cuda_base_is_the_cuda_of_the_pinned_torch_wheel():
+    """The cuda variant installs PyPI's torch at the pyproject pin; its CUDA (the installed torch's,
+    when that is the same PyPI build) must be the base image's CUDA major.minor."""
+    torch = pytest.importorskip("torch")
+    hf = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    (pin,) = [r.removeprefix("torch==") for r in hf if r.startswith("torch==")]
+    if torch.__version__.split("+")[0] != pin or torch.version.cuda is None:
+        pytest.skip(f"the installed torch {torch.__version__} is not PyPI's CUDA build of torch=={pin}")
+    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-[\w-]*runtime-ubuntu[\d.]+", base_images()["base-cuda"])
+    assert m, base_images()["base-cuda"]
+    cuda = ".".join(torch.version.cuda.split(".")[:2])
+    assert m.group(1) == cuda, f"base-cuda is CUDA {m.group(1)}, torch=={pin} from PyPI is built for CUDA {cuda}"
 
 
 def test_dockerfile_requirement_list_comes_from_pyproject(tmp_path):

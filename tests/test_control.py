@@ -127,3 +127,18 @@ def test_prometheus_endpoint_serves_metrics():
         assert 'rlstream_policy_version{role="trainer",worker="t0"} 2.0' in body
     finally:
         m.close()
+
+
+def test_prometheus_has_no_policy_version_for_a_worker_without_weights():
+    from pipeline.ports import free_port
+
+    port = free_port()
+    m = WorkerMetrics("reward", "w0", prometheus_port=port)  # never holds weights: version stays -1
+    try:
+        m.inc("scored", 3)
+        m.publish()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'rlstream_scored{role="reward",worker="w0"} 3.0' in body
+        assert "rlstream_policy_version" not in body  # Grafana's version panel would plot it at -1
+    finally:
+        m.close()

@@ -97,6 +97,11 @@ def test_every_shipped_target_is_up_and_every_dashboard_query_has_data(cli_env, 
         assert len(announced) == 5, announced
         assert {t["labels"].get("process") for t in targets} >= {"rollout-0", "reward-1", "trainer"}
         assert not missing, f"dashboard panels without data: {missing}"
+        # the version panel's series: workers holding weights only; a reward worker has no version
+        # (it used to be exported as -1 and plotted as such)
+        versions = api(url, "/api/v1/query", query="rlstream_policy_version")["result"]
+        assert {v["metric"]["role"] for v in versions} == {"trainer", "rollout"}, versions
+        assert all(float(v["value"][1]) >= 0 for v in versions), versions
     finally:
         for proc in (job, prom):
             if proc.poll() is None:

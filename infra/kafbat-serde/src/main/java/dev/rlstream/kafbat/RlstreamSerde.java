@@ -22,7 +22,7 @@ import java.util.Optional;
  * KAFKA_CLUSTERS_0_SERDE_0_FILEPATH=/opt/rlstream-serde            (this jar and its dependencies)
  * KAFKA_CLUSTERS_0_SERDE_0_CLASSNAME=dev.rlstream.kafbat.RlstreamSerde
  * KAFKA_CLUSTERS_0_SERDE_0_PROPERTIES_SCHEMASDIR=/opt/rlstream-schemas
- * KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN=rl\..*
+ * KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN=(.+\.)?(prompts|rollouts|scored|control|metrics|dlq)
  * </pre>
  */
 public class RlstreamSerde implements Serde {
