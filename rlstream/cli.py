@@ -468,17 +468,16 @@ def run_(
 ) -> None:
     """Run a whole job on this machine: topics, every role as a supervised process, the live view, and
     its run directory (config, logs, report, plots, TensorBoard). Run it again to resume it."""
-    from rlstream.config import load_config, record_job_dir, require_broker
-    from rlstream.job import kafka_for, resolve, run_job
+    from rlstream.config import record_job_dir
+    from rlstream.job import plan, run_job
+    from rlstream.preflight import checked_start
 
     _sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
     path, sets = sources(job, set_)
     flags = [f"trainer.max_steps={steps}"] if steps else []
-    base = load_config(path, sets)
-    with kafka_for(base, keep_broker, console.print) as bootstrap:
-        require_broker(base, bootstrap)
-        cfg = resolve(path, sets, flags=flags, bootstrap=bootstrap)
-        record_job_dir(cfg, path)
+    cfg, data = plan(path, sets, flags=flags)
+    record_job_dir(cfg, path)
+    with checked_start(cfg, data, keep_broker, console.print):  # a mistake: one line, nothing created
         report = run_job(cfg, title=f"rlstream run {cfg.job.name}", live=False if no_live else None, console=console)
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
