@@ -33,7 +33,9 @@ def render(prompt: dict, tokenizer, system_prompt: str = "", add_generation_prom
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system_prompt}, *messages]
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRecord('the tokenizer has no chat template (set rollout.chat_template = "never")')
+        fix = ("a chat-messages prompt needs a model with one" if prompt.get("messages")
+               else 'set rollout.chat_template = "auto" or "never"')  # fmt: skip
+        raise InvalidRecord(f"the tokenizer has no chat template: {fix}")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # a template error is about this prompt's messages: dead-letter it

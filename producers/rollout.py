@@ -234,6 +234,11 @@ class RolloutWorker(Worker):
             toks = self.tokenizer(prompt["text"], add_special_tokens=False).input_ids  # the template has them
         else:
             toks = self._tokenize(prompt["text"])
+        if not toks:  # an engine cannot start from nothing (the hf engine raised on it)
+            why = " (chat messages are rendered only by a chat template)" if prompt.get("messages") else ""
+            raise InvalidRecord(
+                f"prompt has no tokens: empty text under rollout.chat_template = {self.rc.chat_template!r}{why}"
+            )
         limit = min(self.rc.max_prompt_tokens, self.max_len - 1)
         if len(toks) > limit:
             raise InvalidRecord(f"prompt has {len(toks)} tokens, more than the limit {limit}", "too_long")
@@ -494,8 +499,14 @@ class RolloutWorker(Worker):
 
     def _on_revoke(self, _consumer, partitions) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
-        log.info("partitions revoked, finishing their admitted prompts %s", kv(partitions=sorted(t[1] for t in tps)))
-        self._drain(lambda tp: tp in tps)
+        if self.failed:  # the final revoke of a worker that failed: its engine may never finish a sample
+            log.warning("partitions revoked after a failure; their uncommitted prompts go to the next owner %s",
+                        kv(partitions=sorted(t[1] for t in tps)))  # fmt: skip
+        else:
+            log.info(
+                "partitions revoked, finishing their admitted prompts %s", kv(partitions=sorted(t[1] for t in tps))
+            )
+            self._drain(lambda tp: tp in tps)
         self.ledger.drop(tps)
         for tp in tps:
             self.to_commit.pop(tp, None)

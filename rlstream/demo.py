@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import cli_overrides, load_tree
-from rlstream.config import load_config, record_job_dir, require_broker
+from rlstream.config import record_job_dir
 
 TASK = "next_digit"
 CHARSET = "0123456789+=>? "
@@ -117,7 +117,16 @@ def flag_settings(opts: DemoOptions) -> list[str]:
 def resolve(config_path, sets, opts: DemoOptions, run_id: str, bootstrap: str | None = None):
     """The demo run's config: the demo's settings < the file < env < --set < the demo's flags, as a
     job named ``demo-<run id>`` (fresh topics and run dir each time) with the next-digit data."""
-    from rlstream.job import resolve as resolve_job
+    from rlstream.job import write_data
+
+    cfg, data = plan(config_path, sets, opts, run_id, bootstrap)
+    write_data(data)
+    return cfg
+
+
+def plan(config_path, sets, opts: DemoOptions, run_id: str, bootstrap: str | None = None):
+    """``resolve`` without writing anything: the config and its generated data (``rlstream.job.plan``)."""
+    from rlstream.job import plan as plan_job
 
     preset = cli_overrides(
         [s for s in demo_settings(Path("."), run_id) if not s.startswith(("feed.source", "topics.prefix"))]
@@ -129,22 +138,21 @@ def resolve(config_path, sets, opts: DemoOptions, run_id: str, bootstrap: str | 
     if not tree.get("trainer", {}).get("dynamic_sampling"):  # filtered groups need more prompts: no cap
         groups_per_step = tree.get("rl", {}).get("groups_per_step", 8)
         preset.setdefault("feed", {})["limit"] = opts.steps * groups_per_step + 200
-    return resolve_job(config_path, sets, preset, f"demo-{run_id}", flags, bootstrap)
+    return plan_job(config_path, sets, preset, f"demo-{run_id}", flags, bootstrap)
 
 
 def run(config_path: Path | None, sets: list[str], opts: DemoOptions) -> dict:
     """The demo; returns its report (``status`` ``ok`` when the trainer reached ``--steps``)."""
     from rich.console import Console
 
-    from rlstream.job import kafka_for, run_job
+    from rlstream.job import run_job
+    from rlstream.preflight import checked_start
 
     console = Console(stderr=True)
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    base = load_config(config_path, sets)
-    with kafka_for(base, opts.keep_broker, console.print) as bootstrap:
-        require_broker(base, bootstrap)  # a given address that does not answer: one line, at once
-        cfg = resolve(config_path, sets, opts, run_id, bootstrap)
-        record_job_dir(cfg, config_path)
+    cfg, data = plan(config_path, sets, opts, run_id)
+    record_job_dir(cfg, config_path)
+    with checked_start(cfg, data, opts.keep_broker, console.print):  # a mistake: one line, nothing created
         own_task = cfg.job.dataset is not None and cfg.feed.source.name.startswith("next_digit")
         return run_job(
             cfg,

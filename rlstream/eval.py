@@ -61,6 +61,17 @@ class EvalConfig(StrictModel):
     """How often the evaluator publishes its gauges while waiting or generating (a sign of life)."""
 
 
+def eval_feed(cfg):
+    """How ``eval.source`` is read: as the feed reads its dataset (its field names, default task)."""
+    from producers.config import FeedConfig
+
+    fc = cfg.feed
+    fields = {
+        k: getattr(fc, k) for k in ("id_field", "prompt_field", "task_field", "messages_field", "reference_field")
+    }
+    return FeedConfig(source=cfg.eval.source, default_task=fc.default_task, **fields)
+
+
 class Evaluator(Worker):
     role = "eval"
     unit = "evaluation"
@@ -80,7 +91,6 @@ class Evaluator(Worker):
     def setup(self) -> None:
         from consumers.reward.pool import make_pool
         from pipeline.models import load_tokenizer, materialize
-        from producers.config import FeedConfig
         from producers.datasets import load_dataset
         from producers.engines import EngineContext, build_engine
 
@@ -92,11 +102,7 @@ class Evaluator(Worker):
             from rlstream.export import find_update
 
             self.update = find_update(self.cfg, self.asked, base=True)
-        fc = self.cfg.feed
-        fields = {
-            k: getattr(fc, k) for k in ("id_field", "prompt_field", "task_field", "messages_field", "reference_field")
-        }
-        records = load_dataset(FeedConfig(source=self.ec.source, default_task=fc.default_task, **fields))
+        records = load_dataset(eval_feed(self.cfg))
         self.records = records[: self.ec.max_prompts] if self.ec.max_prompts else records
         model_dir = materialize(self.cfg.model)
         self.tokenizer = load_tokenizer(model_dir)

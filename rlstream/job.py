@@ -71,7 +71,17 @@ def resolve(config_path, sets: list[str], preset: dict | None = None, name: str 
             flags: list[str] | None = None, bootstrap: str | None = None):  # fmt: skip
     """The job's config: ``preset`` < the job file < env < ``--set`` < ``flags``, then the job's own
     places (topic prefix, consumer groups, transactional ids, run dir, generated data) where the
-    layers left them unset."""
+    layers left them unset. The generated data is written into the run dir (``plan`` writes nothing)."""
+    cfg, data = plan(config_path, sets, preset, name, flags, bootstrap)
+    write_data(data)
+    return cfg
+
+
+def plan(config_path, sets: list[str], preset: dict | None = None, name: str | None = None,
+         flags: list[str] | None = None, bootstrap: str | None = None):  # fmt: skip
+    """``resolve`` without writing anything: the config and the generated dataset's files (path ->
+    text), which ``write_data`` writes once the checks before start (``rlstream.preflight``) passed,
+    so a job refused by them leaves no run dir behind."""
     from rlstream.config import Config
 
     path = config_path or os.environ.get("RLSTREAM_CONFIG")
@@ -94,11 +104,12 @@ def resolve(config_path, sets: list[str], preset: dict | None = None, name: str 
     if bootstrap:
         tree.setdefault("kafka", {})["bootstrap_servers"] = bootstrap
     cfg = validate(Config, tree)
+    data: dict[Path, str] = {}
     if cfg.job.dataset is not None:
-        generated_data(cfg, set_feed=not _has(tree, "feed.source"), set_eval=not _has(tree, "eval.source"))
+        data = generated_data(cfg, set_feed=not _has(tree, "feed.source"), set_eval=not _has(tree, "eval.source"))
     if cfg.job.eval and cfg.eval.source is None:
         raise ConfigError("job.eval = true needs eval.source (or job.dataset.held_out > 0)")
-    return cfg
+    return cfg, data
 
 
 def layers(config_path, sets: list[str], preset: dict | None = None) -> dict:
@@ -108,8 +119,9 @@ def layers(config_path, sets: list[str], preset: dict | None = None) -> dict:
     return merge(copy.deepcopy(preset or {}), load_tree(path, sets, dict(os.environ)))
 
 
-def generated_data(cfg, set_feed: bool, set_eval: bool) -> None:
-    """Write the job's generated dataset (train and held-out split) into its run dir, once."""
+def generated_data(cfg, set_feed: bool, set_eval: bool) -> dict[Path, str]:
+    """The job's generated dataset (train and held-out split) as files in its run dir, path -> text,
+    not written yet (``write_data``); ``feed.source``/``eval.source`` point at them where unset."""
     from rlstream.tasks import GENERATORS
 
     d = cfg.job.dataset
@@ -125,16 +137,22 @@ def generated_data(cfg, set_feed: bool, set_eval: bool) -> None:
         cut = int(len(records) * d.held_out)  # the generator's order is seeded, so the split is stable
         train, held = records[cut:], records[:cut]
     data = Path(cfg.run_dir) / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    for part, recs in (("train", train), ("eval", held)):
-        f = data / f"{d.generator}-{part}.jsonl"
-        text = "".join(json.dumps(r) + "\n" for r in recs)
-        if not f.is_file() or hashlib.sha256(f.read_bytes()).digest() != hashlib.sha256(text.encode()).digest():
-            f.write_text(text)  # unchanged on a re-run: the feed's resume checks the dataset's hash
+    files = {data / f"{d.generator}-{part}.jsonl": "".join(json.dumps(r) + "\n" for r in recs)
+             for part, recs in (("train", train), ("eval", held))}  # fmt: skip
     if set_feed:
         cfg.feed.source = data / f"{d.generator}-train.jsonl"
     if set_eval and held:
         cfg.eval.source = data / f"{d.generator}-eval.jsonl"
+    return files
+
+
+def write_data(files: dict[Path, str]) -> None:
+    """Write generated data files (``plan``), leaving a file with the same text untouched: a re-run
+    keeps it as it is (the feed's resume checks the dataset's hash)."""
+    for f, text in files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        if not f.is_file() or hashlib.sha256(f.read_bytes()).digest() != hashlib.sha256(text.encode()).digest():
+            f.write_text(text)
 
 
 @contextlib.contextmanager
@@ -172,18 +190,19 @@ def connected(cfg, keep_broker: bool, say):
 def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str | None = None,
            flags: list[str] | None = None, keep_broker: bool = False, live: bool | None = None,
            console=None) -> dict:  # fmt: skip
-    """``rlstream run`` (and ``rlstream.Job.run``): the job's Kafka (``connected``), checked before
-    any work; then its config (``resolve``'s arguments, with the address found), the job file's
-    directory for reward modules, and ``run_job``; returns the report."""
+    """``rlstream run`` (and ``rlstream.Job.run``): the job's config (``plan``: nothing written yet),
+    the job file's directory for reward modules, the checks before start and the job's Kafka
+    (``rlstream.preflight.checked_start``: a mistake is one line and creates nothing), then
+    ``run_job``; returns the report."""
     from rich.console import Console
 
-    from rlstream.config import Config, record_job_dir
+    from rlstream.config import record_job_dir
+    from rlstream.preflight import checked_start
 
     console = console or Console(stderr=True)
-    base = validate(Config, layers(job_file, sets, preset))
-    with connected(base, keep_broker, console.print):
-        cfg = resolve(job_file, sets, preset, name, flags, base.kafka.bootstrap_servers)
-        record_job_dir(cfg, job_file)
+    cfg, data = plan(job_file, sets, preset, name, flags)
+    record_job_dir(cfg, job_file)
+    with checked_start(cfg, data, keep_broker, console.print):
         return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console)
 
 

@@ -78,3 +78,29 @@ def test_a_rollout_worker_renders_chat_prompts(make_config, tmp_path):
     from pipeline import codec
 
     assert list(codec.unpack_i32(t1["prompt_tokens"])) == tok(by_prompt["c1"], add_special_tokens=False).input_ids
+
+
+@pytest.mark.kafka
+def test_a_chat_prompt_under_never_has_no_tokens_and_goes_to_the_dlq(make_config, tmp_path):
+    """``rollout.chat_template = "never"`` leaves a messages-only record without text: the worker
+    dead-letters it with the reason (it used to hand the engine an empty context, which raised) and
+    goes on with the plain record. ``rlstream run`` refuses such a job before start (test_preflight)."""
+    from producers import feed
+    from producers.testing import read_topic
+    from tests.test_rollout import WorkerThread, trajectories
+
+    data = tmp_path / "chat.jsonl"
+    rows = [{"id": "c1", "messages": CHAT, "task": "t"}, {"id": "p1", "prompt": "plain", "task": "t"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_config(
+        f"feed.source={data}", "rl.group_size=2", "rl.max_staleness=100", "rollout.max_new_tokens=3",
+        'rollout.chat_template="never"', "rollout.exit_when_idle_s=2",
+    )  # fmt: skip
+    feed.run(cfg)
+    w = WorkerThread(cfg)
+    w.thread.join(120)
+    w.join()
+    dlq = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 1)]
+    assert [d["error_type"] for d in dlq] == ["invalid"], dlq
+    assert "prompt has no tokens" in dlq[0]["reason"] and "chat template" in dlq[0]["reason"]
+    assert sorted(t["trajectory_id"] for t in trajectories(cfg, 2)) == ["p1@e0/0", "p1@e0/1"]

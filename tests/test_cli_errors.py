@@ -51,6 +51,20 @@ def test_rlstream_run_with_an_unreachable_bootstrap_is_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()  # refused before any work
 
 
+@pytest.mark.parametrize("command", ["run", "demo"])
+def test_a_mistake_is_said_before_the_local_broker_starts(command, tmp_path):
+    """No kafka.bootstrap_servers: the checks before start come before the local broker (which
+    takes seconds to start, and a download on first use); a mistake starts nothing."""
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nname = "t"\n[reward]\ntasks = { next_digit = [{ name = "exact_matc" }] }\n'
+                   '[job.dataset]\ngenerator = "next_digit"\n')  # fmt: skip
+    args = ["run", str(job)] if command == "run" else ["-c", str(job), "demo"]
+    line, took = one_line(args, tmp_path, within_s=60)
+    print(f"[preflight] {command} without a broker: {took:.1f} s")
+    assert "reward.tasks.next_digit: unknown reward 'exact_matc'" in line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "broker").exists()
+
+
 def test_an_unresolvable_host_says_so(tmp_path):
     line, _ = one_line(["-s", "kafka.bootstrap_servers=no-such-host.invalid:9092", "status"], tmp_path)
     assert "no-such-host.invalid:9092" in line and "`rlstream broker start`" in line

@@ -314,6 +314,38 @@ def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
     assert committed(cfg)[3] == len(sent)  # committed past every bad message
 
 
+def test_a_worker_whose_engine_fails_stops_with_the_error_instead_of_draining(make_config):
+    """The engine raises with samples in flight and has lost them (the hf engine did, on an empty
+    prompt): the worker's run ends with that error. Its final revoke used to wait for those samples
+    to finish, beating the watchdog, so the error was never logged and the process hung until a
+    SIGTERM's shutdown limit."""
+    cfg = make_config(f"feed.source={DATA}", "rl.group_size=2", "rl.max_staleness=100", "rollout.max_new_tokens=8")
+    feed.run(cfg)
+
+    broke = threading.Event()
+
+    def broken_engine(worker):
+        setup = worker.setup
+
+        def setup_then_break():
+            setup()
+
+            def step(timeout=0.0):
+                if not broke.is_set():
+                    broke.set()
+                    raise RuntimeError("engine broke")
+                return []  # what it held is gone
+
+            worker.engine.step = step
+
+        worker.setup = setup_then_break
+
+    w = WorkerThread(cfg, before=broken_engine)
+    w.thread.join(120)
+    assert not w.thread.is_alive(), "the failed worker hung in its final revoke"
+    assert isinstance(w.error, RuntimeError) and str(w.error) == "engine broke"
+
+
 @pytest.mark.parametrize("prefetch", [0, 4])
 def test_lookahead_keeps_at_most_prefetch_samples_queued_beyond_the_free_slots(make_config, prefetch):
     """rollout.prefetch_samples: admitted samples waiting in ``ready`` stay within the look-ahead
