@@ -11,6 +11,11 @@ class ConfigError(RlstreamError):
     """A configuration value is missing, unknown or out of bounds. The message names the key."""
 
 
+EXIT_CONFIG = 78
+"""Exit code of a supervised role stopped by a ConfigError (sysexits' EX_CONFIG): a mistake that a
+restart cannot mend, so ``rlstream.supervisor`` stops the run instead of restarting the role."""
+
+
 class SerializationError(RlstreamError):
     """A value could not be encoded to Avro."""
 

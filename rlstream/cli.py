@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from pipeline.errors import RlstreamError
+from pipeline.errors import EXIT_CONFIG, ConfigError, RlstreamError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Asynchronous streaming RL post-training on Kafka.")
 broker_app = typer.Typer(no_args_is_help=True, help="The local Kafka broker (no Docker needed).")
@@ -84,7 +84,7 @@ def run_cli() -> None:
         name = type(exc).__name__
         text = str(exc) if isinstance(exc, RlstreamError) or not exc.filename else f"{exc.strerror}: {exc.filename}"
         console.print(f"[bold red]error:[/] {name}: {escape(text)}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG if _root.get("supervised") and isinstance(exc, ConfigError) else 2)
 
 
 def _sigterm_unwinds() -> None:

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import RlstreamError
+from pipeline.errors import EXIT_CONFIG, RlstreamError
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,8 @@ class Supervisor:
         )  # fmt: skip
         if self.policy is None:
             raise ChildDied(c.name, code, c.tail(), why)
+        if code == EXIT_CONFIG and not injected:  # a mistake in its config: a restart cannot mend it
+            raise ChildDied(c.name, code, c.tail(), " (a configuration error: not restarted)")
         if injected:  # our own fault injection: restart promptly, no crash-loop budget spent
             c.last_code, c.restart_at = code, now + self.policy.backoff_s
             log.info("child killed by us; restarting %s", kv(name=c.name, code=code, cause=cause))

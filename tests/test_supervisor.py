@@ -28,3 +28,23 @@ def test_finished_child_that_may_exit_is_not_an_error(tmp_path):
         sup.start("finisher", [sys.executable, "-c", "pass"], may_exit=True)
         sup.children["finisher"].proc.wait(10)
         assert sup.check() == ["finisher"]
+
+
+def test_a_role_stopped_by_a_config_error_is_not_restarted(tmp_path):
+    """A supervised role that exits with EXIT_CONFIG (a ConfigError: restarting cannot mend it) stops
+    the run at once, with its one-line reason in the log tail, instead of a crash loop."""
+    from pipeline.errors import EXIT_CONFIG
+    from rlstream.supervisor import RestartPolicy
+    from tests.conftest import rlstream_cmd
+
+    args = [*rlstream_cmd(), "reward", "--set", 'reward.default=[{name = "exact_mach"}]',
+            "--set", "kafka.bootstrap_servers=127.0.0.1:9", "--set", "liveness.startup_timeout_s=600"]  # fmt: skip
+    # (no broker there: the reward is built before the worker waits for Kafka)
+    with Supervisor(tmp_path, restart=RestartPolicy(backoff_s=0.1)) as sup:
+        sup.start("reward-0", args)
+        sup.children["reward-0"].proc.wait(120)
+        with pytest.raises(ChildDied) as ei:
+            sup.check()
+        assert ei.value.code == EXIT_CONFIG, ei.value.log_tail
+        assert "not restarted" in str(ei.value) and "exact_mach" in ei.value.log_tail
+        assert sup.restarts_total == 0

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
 from consumers.reward.base import TaskRouter
-from pipeline.errors import RlstreamError
+from pipeline.errors import ConfigError, RlstreamError
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,8 @@ class _LanePool:
         False for any other event."""
         if event[0] == "ready":
             lane.ready = True
-        elif event[0] == "failed":
-            raise RlstreamError(f"a scorer failed at start: {event[1]}")
+        elif event[0] == "failed":  # a reward that cannot be built stays a ConfigError: not worth a restart
+            raise (ConfigError if event[2:] and event[2] else RlstreamError)(f"a scorer failed at start: {event[1]}")
         elif event[0] == "died" and not lane.ready:
             raise RlstreamError(f"a scoring process died at start ({event[1]})")
         else:
@@ -212,7 +212,7 @@ def _child_main(conn, reward_cfg_json: dict, log_level: str) -> None:
 
             _math_verify()  # import math-verify now, not inside the first call's deadline
     except Exception as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send(("failed", f"{type(exc).__name__}: {exc}", isinstance(exc, ConfigError)))
         return
     conn.send(("ready",))
     while True:

@@ -100,8 +100,8 @@ class RewardWorker(Worker):
     def setup(self) -> None:
         cfg, rc = self.cfg, self.rc
         path = self.write_resolved()
+        self.pool = make_pool(rc, cfg.log_level)  # first: a reward that cannot be built is a ConfigError now
         self._check_topics()
-        self.pool = make_pool(rc, cfg.log_level)
         if rc.overlap_commit:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="reward-commit")
         pconf = self._kafka_settings(
