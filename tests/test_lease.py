@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -27,10 +28,11 @@ def states(cfg) -> list[tuple[str, str]]:
     return [(r["run_id"], r["state"]) for _, r in read_topic(cfg, "lease", SCHEMA)]
 
 
-def forge(cfg, *, pid: int, host: str, hid: str, ttl_ms: int = 30_000, started: str = "", run_id: str = "f" * 32):
+def forge(cfg, *, pid: int, host: str, hid: str, ttl_ms: int = 30_000, started: str = "", run_id: str = "f" * 32,
+          roles: list[str] | None = None):  # fmt: skip
     """A ``held`` record of a launcher that is not this test's."""
     rec = {"run_id": run_id, "state": "held", "job": "j", "pid": pid, "pid_started": started, "host": host,
-           "host_id": hid, "role_pids": [], "run_dir": "/elsewhere", "started_at_ms": 1_700_000_000_000,
+           "host_id": hid, "role_pids": roles or [], "run_dir": "/elsewhere", "started_at_ms": 1_700_000_000_000,
            "written_at_ms": int(time.time() * 1000), "ttl_ms": ttl_ms}  # fmt: skip
     with Producer(client_conf(cfg, "test", kind="producer")) as p:
         p.produce_record(cfg.topics.name("lease"), SCHEMA, rec, key=run_id.encode(), partition=0)
@@ -103,6 +105,32 @@ def test_a_dead_launcher_here_frees_the_job_at_once_another_hosts_after_its_ttl_
         except JobAlreadyRunning:
             assert time.monotonic() < deadline, "the other host's lease never expired"
             time.sleep(0.5)
+
+
+def test_a_run_killed_here_is_taken_over_once_its_roles_have_stopped(make_config, tmp_path):
+    """kill -9 of a launcher: its roles get SIGTERM and take a while to stop; a re-run holds the job
+    at once but starts nothing before they are gone."""
+    cfg = make_config()
+    ensure_lease_topic(cfg)
+    role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a role still stopping
+    rec = f"{role.pid}:{process_started(role.pid)}"
+    forge(cfg, pid=dead_pid(), host=socket.gethostname(), hid=host_id(), roles=[rec], run_id="6" * 32)
+    said = []
+
+    def stop_once_waited_for():
+        deadline = time.monotonic() + 120
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        role.terminate()
+
+    threading.Thread(target=stop_once_waited_for, daemon=True).start()
+    try:
+        with JobLease(cfg, tmp_path, say=said.append) as lease:
+            assert role.poll() is not None, "the lease did not wait for the killed run's role"
+            assert lease.lost is None and said and f"pids {role.pid}" in said[0], said
+    finally:
+        role.kill()
+        role.wait(60)
 
 
 def test_a_run_whose_job_was_taken_over_is_told(make_config, tmp_path):
