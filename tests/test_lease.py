@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from pipeline.errors import JobAlreadyRunning
-from pipeline.kafka import Producer, client_conf
+from pipeline.kafka import TIMESTAMP_LOG_APPEND_TIME, Producer, client_conf
 from producers.testing import read_topic
 from rlstream.lease import SCHEMA, JobLease, ensure_lease_topic, host_id, process_started
 
@@ -63,6 +63,8 @@ def test_of_two_claims_the_earliest_wins_whichever_decides_first(make_config, tm
     with JobLease(cfg, tmp_path / "d") as after:  # released: free at once
         assert after.lost is None
     log = states(cfg)
+    stamps = {m.timestamp()[0] for m, _ in read_topic(cfg, "lease", SCHEMA)}
+    assert stamps == {TIMESTAMP_LOG_APPEND_TIME}  # the broker's clock, whoever wrote them
     mine = [s for r, s in log if r == first.run_id]
     assert mine[:2] == ["claim", "held"] and mine.count("released") == 1
     assert [s for r, s in log if r == second.run_id] == ["claim", "refused"]
