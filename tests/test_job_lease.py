@@ -44,10 +44,18 @@ def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, tim
     assert steps_done(run_dir) >= n, "the job never got going"
 
 
+@pytest.fixture
+def job_env(cli_env, topic_prefix) -> dict[str, str]:
+    """``cli_env`` with a job name of the test's own: its consumer groups and transactional ids
+    (``<name>-<role>``) are then the test's own too, on a broker shared with other runs of the job."""
+    return {**cli_env, "RLSTREAM_JOB__NAME": f"nd-{topic_prefix.rstrip('.')}"}
+
+
 def job_config(cli_env, steps: int):
     from rlstream.job import resolve
 
     same = [
+        f"job.name={cli_env['RLSTREAM_JOB__NAME']}",
         f"feed.limit={steps * GROUPS_PER_STEP}",
         f"topics.prefix={cli_env['RLSTREAM_TOPICS__PREFIX']}",
         f"run_dir={cli_env['RLSTREAM_RUN_DIR']}",
@@ -98,9 +106,10 @@ def refused_launch(env: dict, steps: int, rate: float) -> tuple[list[str], float
     return [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()], time.monotonic() - t0, proc.returncode
 
 
-def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unharmed(cli_env, tmp_path):
+def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unharmed(job_env, tmp_path):
+    cli_env, name = job_env, job_env["RLSTREAM_JOB__NAME"]
     steps, rate = 16, 4  # paced at 0.5 steps/s: the first run lives well past the second launches
-    run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / "next-digit"
+    run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / name
     out1 = tmp_path / "run1.out"
     elsewhere = {**cli_env, "RLSTREAM_RUN_DIR": str(tmp_path / "elsewhere")}  # as from another machine's disk
     with launched(job_args(steps, rate), cli_env, out1) as first:
@@ -111,7 +120,7 @@ def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unha
         still_running = first.poll() is None
         for lines, elapsed, code in (same_dir, same_topics):
             assert code == 2 and len(lines) == 1, lines  # one line, no traceback
-            assert lines[0].startswith("error: JobAlreadyRunning: job 'next-digit' is already running: "), lines
+            assert lines[0].startswith(f"error: JobAlreadyRunning: job '{name}' is already running: "), lines
             assert f"pid {first.pid} on host {socket.gethostname()} since " in lines[0], lines
             assert elapsed < 60, f"refused only after {elapsed:.0f} s"
         assert still_running, "the first run ended before the others were refused: nothing was tested"
@@ -132,9 +141,10 @@ def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unha
     assert len(prompts) == steps * GROUPS_PER_STEP  # no second feed ran: no prompt fed twice
 
 
-def test_a_job_whose_launcher_was_killed_resumes_at_once_on_the_same_host(cli_env, tmp_path):
+def test_a_job_whose_launcher_was_killed_resumes_at_once_on_the_same_host(job_env, tmp_path):
+    cli_env = job_env
     steps = 12
-    run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / "next-digit"
+    run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / cli_env["RLSTREAM_JOB__NAME"]
     out1 = tmp_path / "run1.out"
     with launched(job_args(steps, 8), cli_env, out1) as first:
         try:
