@@ -323,7 +323,7 @@ class RolloutWorker(Worker):
     def _submit(self, s: Sample) -> None:
         req = s.request(self.rc.temperature, self.stop_ids, self.eos_id)
         if req.rid in self.running:  # the same sample of a copy of its message (e.g. fed twice) is in flight
-            log.warning("a sample with this id is already generating; both run %s",
+            log.warning("a copy of this sample is generating (its prompt was delivered twice); both run %s",
                         kv(trajectory_id=s.tid, partition=s.tp[1], offset=s.offset))  # fmt: skip
             self.metrics.inc("duplicate_samples")
             base, n = req.rid, 1

@@ -2,7 +2,8 @@
 as supervised ``rlstream`` processes, with a live view, restarts, and a report at the end.
 
 Steps (each a method of ``Launcher``), once ``run`` holds the job's lease (``rlstream.lease``: a
-second launch of a running job is refused before it writes or starts anything): ``prepare`` (topics, the model built once, the resolved
+second launch of a running job is refused before it writes or starts anything): ``prepare``
+(topics, the model built once, the resolved
 config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
 refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
 its final version is evaluated) → ``stop_roles`` →
