@@ -112,6 +112,15 @@ class TopicsConfig(StrictModel):
     control: TopicSpec = TopicSpec(name="control", partitions=1, retention_ms=-1)
     metrics: TopicSpec = TopicSpec(name="metrics", partitions=1, retention_ms=24 * 3600 * 1000)
     dlq: TopicSpec = TopicSpec(name="dlq", partitions=1, retention_ms=-1)
+    lease: TopicSpec = TopicSpec(
+        name="lease",
+        partitions=1,
+        retention_ms=24 * 3600 * 1000,
+        extra={"message.timestamp.type": "LogAppendTime", "segment.ms": str(3600 * 1000)},
+    )
+    """The job lease of ``rlstream run``/``demo`` (``rlstream.lease``: one run per job): created by
+    the launcher, not one of the roles' topics (``specs``). Broker timestamps, so liveness never
+    compares two machines' clocks."""
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +137,8 @@ class TopicsConfig(StrictModel):
     def _check(self):
         if self.control.partitions != 1:
             raise ValueError("topics.control.partitions must be 1 (a late joiner reads the newest notice)")
+        if self.lease.partitions != 1:
+            raise ValueError("topics.lease.partitions must be 1 (claims are ordered by their offsets)")
         return self
 
     def specs(self) -> dict[str, TopicSpec]:
@@ -135,8 +146,9 @@ class TopicsConfig(StrictModel):
         return {k: getattr(self, k) for k in ("prompts", "rollouts", "scored", "control", "metrics", "dlq")}
 
     def name(self, role: str) -> str:
-        """Full topic name of a role, e.g. ``name("rollouts") == "rl.rollouts"``."""
-        return self.prefix + self.specs()[role].name
+        """Full topic name of a role (or ``lease``), e.g. ``name("rollouts") == "rl.rollouts"``."""
+        spec = self.lease if role == "lease" else self.specs()[role]
+        return self.prefix + spec.name
 
 
 class RLConfig(StrictModel):

@@ -94,3 +94,9 @@ class JobFailed(RlstreamError):
 
 class BrokerError(RlstreamError):
     """The local broker could not be set up, started or stopped."""
+
+
+class JobAlreadyRunning(RlstreamError):
+    """Another run of the same job (its lease on the job's lease topic, or its run dir) is alive:
+    a second launch is refused before it starts a role or writes to the run dir. The message
+    names the running one (pid, host, start time, run id) and what to do."""

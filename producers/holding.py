@@ -63,7 +63,7 @@ class SampleHold:
             for s in self._done[k]:
                 (go if pred(s) else keep).append(s)
             if go:
-                self._left[k] += len(go)
+                self._left[k] = self._left.get(k, 0) + len(go)
                 out.extend(go)
                 if keep:
                     self._done[k] = keep

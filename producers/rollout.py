@@ -16,6 +16,9 @@ to the next owner. A crash (kill -9) loses nothing: uncommitted prompts are gene
 next owner, so rl.rollouts is at-least-once and ``trajectory_id`` is the deduplication key. A
 partition that is re-delivered from an earlier offset (a rewind after a rebalance) starts a new
 ledger generation: what was in flight for it still gets published, nothing of it is committed.
+A message and a copy of it (the same group fed twice, or a re-delivery while the first is still
+generating) are both generated, each sample under its own engine request id; the trainer drops
+the repeated trajectory ids.
 
 Admission (``pipeline.control.may_admit``): a group starts only if ``group_seq < C(v) + (k + 1) * G``
 at the loaded version v, where C(v) is the number of groups the trainer had consumed when it
@@ -324,11 +327,29 @@ class RolloutWorker(Worker):
 
     def _submit(self, s: Sample) -> None:
         req = s.request(self.rc.temperature, self.stop_ids, self.eos_id)
+        if req.rid in self.running:  # the same sample of a copy of its message (e.g. fed twice) is in flight
+            log.warning("a copy of this sample is generating (its prompt was delivered twice); both run %s",
+                        kv(trajectory_id=s.tid, partition=s.tp[1], offset=s.offset))  # fmt: skip
+            self.metrics.inc("duplicate_samples")
+            base, n = req.rid, 1
+            while req.rid in self.running:  # engine request ids must be unique among those in flight
+                req.rid, n = f"{base}~{n}", n + 1
         self.running[req.rid] = (s, req)
         self.engine.submit(req)
 
+    def _unknown_output(self, out) -> None:
+        """An engine output for a request this worker does not know (an engine answering twice):
+        logged, counted (``unknown_outputs``) and dropped; nothing waits for it, and a restart would
+        not make it known, so raising would only crash-loop the worker."""
+        log.warning("dropped an engine output of an unknown request %s",
+                    kv(request=out.rid, tokens=len(out.tokens), finish=out.finish_reason))  # fmt: skip
+        self.metrics.inc("unknown_outputs")
+
     def _handle_outputs(self, outs) -> None:
         for out in outs:
+            if out.rid not in self.running:
+                self._unknown_output(out)
+                continue
             s, _ = self.running.pop(out.rid)
             s.add_output(out, self.engine.version)
             self.metrics.inc("tokens_generated", len(out.tokens))
@@ -390,6 +411,9 @@ class RolloutWorker(Worker):
         if self.rc.reload_policy == "interrupt" and self.running:
             finished = []
             for out in self.engine.abort():
+                if out.rid not in self.running:
+                    self._unknown_output(out)
+                    continue
                 s, req = self.running[out.rid]
                 if out.tokens and (out.tokens[-1] in req.stop_ids or len(out.tokens) >= req.max_new_tokens):
                     # it had finished before the abort reached it: a normal end of turn

@@ -33,6 +33,7 @@ from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
 from rlstream.eval import EvalConfig
 from rlstream.job import JobConfig
+from rlstream.lease import LeaseConfig
 from rlstream.tracking import TrackingConfig
 
 
@@ -98,6 +99,8 @@ class Config(StrictModel):
     """Experiment logging of rl.metrics: TensorBoard event files, W&B."""
     job: JobConfig = JobConfig()
     """``rlstream run``: the job's name, worker counts, eval, generated data (rlstream.job)."""
+    lease: LeaseConfig = LeaseConfig()
+    """The launcher's job lease in Kafka: one run per job (rlstream.lease)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Standard-library logging level of every role."""
     run_dir: Path = Path("runs")

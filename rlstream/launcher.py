@@ -1,7 +1,9 @@
 """Run a whole pipeline on one machine: the feed, N rollout workers, M reward workers and the trainer
 as supervised ``rlstream`` processes, with a live view, restarts, and a report at the end.
 
-Steps (each a method of ``Launcher``): ``prepare`` (topics, the model built once, the resolved
+Steps (each a method of ``Launcher``), once ``run`` holds the job's lease (``rlstream.lease``: a
+second launch of a running job is refused before it writes or starts anything): ``prepare``
+(topics, the model built once, the resolved
 config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
 refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
 its final version is evaluated, or fail when the run stalls: see below) → ``stop_roles`` →
@@ -38,6 +40,7 @@ from pipeline.config import dump_toml
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
+from rlstream.lease import JobLease
 from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
 from rlstream.stall import StallWatch
@@ -147,7 +150,17 @@ class Launcher:
 
     def run(self, tick=None) -> dict:
         """The whole run; returns the report (``status`` is ``ok``, ``interrupted`` or ``failed: ...``).
-        ``tick``: called once per watch round; a string it returns ends the run with that status."""
+        ``tick``: called once per watch round; a string it returns ends the run with that status.
+        First the job's lease (``rlstream.lease``): JobAlreadyRunning while another run of the job
+        lives, before anything is written or started; the run fails if another run takes it over."""
+        with JobLease(self.cfg, self.run_dir, role_pids=self._role_pids, say=self.console.print) as lease:
+            self.report["run_id"] = lease.run_id
+            return self._run(lease.guard(tick))
+
+    def _role_pids(self) -> list[int]:
+        return [c.proc.pid for c in list(self.sup.children.values())] if self.sup is not None else []
+
+    def _run(self, tick=None) -> dict:
         config_path = self.prepare()
         self.console.print(
             f"run dir {self.run_dir}\ntopics  {self.cfg.topics.prefix}*  on {self.cfg.kafka.bootstrap_servers}\n"

@@ -116,6 +116,9 @@ def records() -> list[tuple[str, dict]]:
                         "value": b"\x00\xffgarbage", "headers": {"rl.schema": b"Trajectory.v1"},
                         "error_type": "decode", "reason": "bad magic", "role": "reward", "worker_id": "r0",
                         "failed_at_ms": 13}),
+        ("JobLease", {"run_id": "ab" * 16, "state": "held", "job": "next-digit", "pid": 4242, "pid_started": "1234",
+                      "host": "gpu-7", "host_id": "b/pid:[4026531836]", "role_pids": ["4243:1300"],
+                      "run_dir": "/runs/next-digit", "started_at_ms": 14, "written_at_ms": 15, "ttl_ms": 30000}),
     ]  # fmt: skip
 
 

@@ -409,3 +409,26 @@ def test_the_prompt_queue_stays_within_queue_samples_and_admits_the_oldest_group
     assert all(g < min(heads, default=g + 1) for g, heads in admitted), admitted
     ends = end_offsets(cfg, cfg.topics.name("prompts"))
     assert all(committed(cfg)[p] == hi for p, hi in ends.items() if hi > 0)
+
+
+def test_a_duplicated_prompt_message_is_generated_twice_without_crashing_the_worker(make_config):
+    """A prompt message published twice (the same group, e.g. by two feeds of one job run at once)
+    has the same trajectory ids as its copy: both copies in flight at once once gave two engine
+    requests one id, and the second output a ``KeyError`` that crash-looped the worker on every
+    restart (the copies stay uncommitted). Both are generated (the trainer drops the repeated
+    trajectory ids) and every offset is committed."""
+    n = 4
+    cfg = make_config("rl.group_size=4", "rl.max_staleness=100", "rollout.max_inflight=8", "rollout.max_new_tokens=6")
+    topic = cfg.topics.name("prompts")
+    dup = {"prompt_id": "rev-59", "group_id": "rev-59@e20", "group_seq": 0, "task": "copy", "text": "hi",
+           "group_size": n, "sample_count": n, "created_at_ms": 1}  # fmt: skip
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        for _ in range(2):
+            p.produce(topic, codec.encode("Prompt", dup), key=b"rev-59@e20", partition=1)
+    w = WorkerThread(cfg)
+    wait_for(lambda: len(trajectories(cfg, 0, 0)) >= 2 * n, 300, lambda: engine_state(w), worker=w)
+    wait_for(lambda: committed(cfg).get(1) == 2, 120, "the two offsets committed", worker=w)
+    w.join()
+    got = sorted(t["trajectory_id"] for t in trajectories(cfg, 2 * n))
+    assert got == sorted(f"rev-59@e20/{i}" for i in range(n) for _ in range(2))
+    assert w.worker.stats["trajectories"] == 2 * n

@@ -24,7 +24,7 @@ Liveness rules kept here, once for every role:
 What this is not: a stream-processing framework. Workers keep their own loops.
 """
 
-from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_LOG_APPEND_TIME, Message, TopicPartition
 
 from pipeline.kafka.common import (
     ASSIGN_ONLY_GROUP_PREFIX,
@@ -47,6 +47,7 @@ __all__ = [
     "ASSIGN_ONLY_GROUP_PREFIX",
     "DEFAULT_BOOTSTRAP",
     "OFFSET_BEGINNING",
+    "TIMESTAMP_LOG_APPEND_TIME",
     "Consumer",
     "Message",
     "Producer",
