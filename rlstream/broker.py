@@ -21,7 +21,6 @@ This is for development, tests and the demo. Production clusters are run by Kafk
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 import os
@@ -37,13 +36,11 @@ from pipeline.errors import BrokerError
 from pipeline.log import kv
 from pipeline.ports import free_port, pid_alive, port_open
 from rlstream.broker_security import SCRAM_MECHANISM, BrokerSecurity
+from rlstream.kafka_jars import classpath, java_version
 
 log = logging.getLogger(__name__)
 WATCH_GRACE_S = 30
 """How long the watcher of an owned broker waits after SIGTERM before SIGKILL."""
-REPO_ROOT = Path(__file__).resolve().parents[1]
-POM = Path(os.environ.get("RLSTREAM_KAFKA_POM", REPO_ROOT / "infra" / "kafka" / "pom.xml"))
-CACHE_DIR = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache" / "rlstream"))
 LOG4J2 = """status = warn
 appender.file.type = File
 appender.file.name = FILE
@@ -67,52 +64,6 @@ def read_state(data_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return state if pid_alive(int(state.get("pid", -1))) else None
-
-
-def _java_version() -> int:
-    java = shutil.which("java")
-    if not java:
-        raise BrokerError(
-            "java not found: the local broker needs Java 17+ (e.g. apt-get install openjdk-17-jre-headless)"
-        )
-    out = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
-    try:
-        ver = out.split('"')[1]
-        major = int(ver.split(".")[0] if not ver.startswith("1.") else ver.split(".")[1])
-    except (IndexError, ValueError):
-        raise BrokerError(f"cannot read the Java version from: {out.strip()[:200]}") from None
-    if major < 17:
-        raise BrokerError(f"Kafka 4.x needs Java 17+, found {ver}")
-    return major
-
-
-def classpath(progress=print) -> str:
-    """Resolve the broker's jars with Maven (once; cached by the pom's hash)."""
-    if not POM.is_file():
-        raise BrokerError(f"Kafka pom not found at {POM} (set RLSTREAM_KAFKA_POM)")
-    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16]
-    cp_file = CACHE_DIR / f"kafka-classpath-{digest}.txt"
-    if cp_file.is_file():
-        cp = cp_file.read_text().strip()
-        if cp and all(Path(j).is_file() for j in cp.split(os.pathsep)):
-            return cp
-    mvn = shutil.which("mvn")
-    if not mvn:
-        raise BrokerError("mvn not found: the local broker resolves Kafka's jars with Maven (apt-get install maven)")
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    progress("resolving Kafka jars from Maven Central (first start only; cached in ~/.m2)...")
-    t0 = time.monotonic()
-    tmp = cp_file.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run(
-        [mvn, "-q", "-B", "-f", str(POM), "dependency:build-classpath", f"-Dmdep.outputFile={tmp}"],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0 or not tmp.is_file():
-        raise BrokerError(f"Maven could not resolve Kafka's jars:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    tmp.replace(cp_file)
-    progress(f"resolved Kafka jars in {time.monotonic() - t0:.1f}s")
-    return cp_file.read_text().strip()
 
 
 class LocalBroker(BrokerSecurity):
@@ -209,7 +160,7 @@ class LocalBroker(BrokerSecurity):
         if running:
             progress(f"broker already running: pid {running['pid']} at {running['bootstrap']}")
             return running
-        _java_version()
+        java_version()
         cp = classpath(progress)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()

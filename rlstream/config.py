@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,7 +32,6 @@ from pipeline.kafka import DEFAULT_BOOTSTRAP, check_reachable, client_conf
 from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
 from rlstream.eval import EvalConfig
-from rlstream.job import JobConfig
 from rlstream.lease import LeaseConfig
 from rlstream.tracking import TrackingConfig
 
@@ -76,6 +75,34 @@ class BrokerConfig(StrictModel):
         if self.security == "sasl_ssl" and "admin" not in self.users:
             raise ValueError('broker.security = "sasl_ssl" needs broker.users.admin (the super user)')
         return self
+
+
+class DatasetConfig(StrictModel):
+    generator: str = Field(min_length=1)
+    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number, reasoning_gym."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the generator."""
+    held_out: float = Field(0.0, ge=0.0, le=0.9)
+    """Share of the generated records kept out of training, as the eval set (``eval.source``); a
+    generator with its own held-out split (reasoning_gym: another seed) ignores it."""
+
+
+class JobConfig(StrictModel):
+    name: str = Field("", pattern=r"^[A-Za-z0-9._-]*$")
+    """The job's name: fixes its topic prefix (``<name>.``), consumer groups (``<name>-<role>``) and
+    run dir (``<run_dir>/<name>``), so running it again resumes it. '' = the job file's name
+    without ``.toml``."""
+    rollout_workers: int = Field(2, ge=1, le=256)
+    """Rollout worker processes."""
+    reward_workers: int = Field(2, ge=1, le=256)
+    """Reward worker processes."""
+    eval: bool = False
+    """Run ``rlstream eval`` beside the pipeline (needs ``eval.source`` or ``dataset.held_out``)."""
+    dataset: DatasetConfig | None = None
+    """Generate the training data with a built-in generator instead of ``feed.source``."""
+    metrics_port_base: int = Field(0, ge=0, le=65000)
+    """Serve Prometheus /metrics: rollout-i on base+i, reward-i on base+10+i, trainer on base+20,
+    eval on base+30; the launcher also writes Prometheus file-based discovery targets (0 = off)."""
 
 
 class Config(StrictModel):

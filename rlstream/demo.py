@@ -145,8 +145,7 @@ def run(config_path: Path | None, sets: list[str], opts: DemoOptions) -> dict:
     """The demo; returns its report (``status`` ``ok`` when the trainer reached ``--steps``)."""
     from rich.console import Console
 
-    from rlstream.job import run_job
-    from rlstream.preflight import checked_start
+    from rlstream.job import checked_start, run_job
 
     console = Console(stderr=True)
     run_id = time.strftime("%Y%m%d-%H%M%S")

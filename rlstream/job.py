@@ -22,40 +22,9 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-from pydantic import Field
-
-from pipeline.config import StrictModel, cli_overrides, load_tree, merge, validate
+from pipeline.config import cli_overrides, load_tree, merge, validate
 from pipeline.errors import ConfigError
-
-
-class DatasetConfig(StrictModel):
-    generator: str = Field(min_length=1)
-    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number, reasoning_gym."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the generator."""
-    held_out: float = Field(0.0, ge=0.0, le=0.9)
-    """Share of the generated records kept out of training, as the eval set (``eval.source``); a
-    generator with its own held-out split (reasoning_gym: another seed) ignores it."""
-
-
-class JobConfig(StrictModel):
-    name: str = Field("", pattern=r"^[A-Za-z0-9._-]*$")
-    """The job's name: fixes its topic prefix (``<name>.``), consumer groups (``<name>-<role>``) and
-    run dir (``<run_dir>/<name>``), so running it again resumes it. '' = the job file's name
-    without ``.toml``."""
-    rollout_workers: int = Field(2, ge=1, le=256)
-    """Rollout worker processes."""
-    reward_workers: int = Field(2, ge=1, le=256)
-    """Reward worker processes."""
-    eval: bool = False
-    """Run ``rlstream eval`` beside the pipeline (needs ``eval.source`` or ``dataset.held_out``)."""
-    dataset: DatasetConfig | None = None
-    """Generate the training data with a built-in generator instead of ``feed.source``."""
-    metrics_port_base: int = Field(0, ge=0, le=65000)
-    """Serve Prometheus /metrics: rollout-i on base+i, reward-i on base+10+i, trainer on base+20,
-    eval on base+30; the launcher also writes Prometheus file-based discovery targets (0 = off)."""
 
 
 def _has(tree: dict, dotted: str) -> bool:
@@ -187,6 +156,23 @@ def connected(cfg, keep_broker: bool, say):
         yield cfg
 
 
+@contextlib.contextmanager
+def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say):
+    """A job run's start, in an order where a mistake creates nothing: ``check``, then the cluster
+    (``kafka_for``: the local broker unless one is configured) and that a broker
+    answers there (BrokerUnreachable, one line; a configured one is tried first, as the quickest
+    check), then the generated data written. Yields the bootstrap address, also set in ``cfg``."""
+    from rlstream.config import require_broker
+    from rlstream.preflight import check
+
+    if cfg.kafka.bootstrap_servers:
+        require_broker(cfg)
+    check(cfg, data)
+    with connected(cfg, keep_broker, say):
+        write_data(data)
+        yield cfg.kafka.bootstrap_servers
+
+
 def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str | None = None,
            flags: list[str] | None = None, keep_broker: bool = False, live: bool | None = None,
            console=None) -> dict:  # fmt: skip
@@ -197,7 +183,6 @@ def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str |
     from rich.console import Console
 
     from rlstream.config import record_job_dir
-    from rlstream.preflight import checked_start
 
     console = console or Console(stderr=True)
     cfg, data = plan(job_file, sets, preset, name, flags)

@@ -65,11 +65,11 @@ def kafka_tool_argv(name: str, args: list[str], common: dict | None = None) -> l
     security settings of ``common`` (``kafka.common``), and no client properties file named in
     ``args``, they are written (mode 0600, in the cache dir) and passed as the tool's
     ``--command-config`` (``--consumer.config`` for console-consumer)."""
-    from rlstream.broker import CACHE_DIR, _java_version, classpath  # the broker's jars
+    from rlstream.kafka_jars import CACHE_DIR, classpath, java_version  # the broker's jars
 
     if name not in KAFKA_TOOLS:
         raise BrokerError(f"unknown Kafka tool {name!r}; known: {', '.join(sorted(KAFKA_TOOLS))}")
-    _java_version()
+    java_version()
     quiet = CACHE_DIR / "log4j2-tools.properties"
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     quiet.write_text("status = error\nrootLogger.level = WARN\n")

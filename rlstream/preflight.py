@@ -18,9 +18,9 @@ and the fix, instead of roles restarted in a loop over a mistake no restart can 
   tokenizer's chat template need one (the first such prompt is rendered), and ``never`` cannot
   take a chat record without prompt text.
 
-``checked_start`` is the order every job run follows: these checks, then the cluster (the local
+``rlstream.job.checked_start`` is the order every job run follows: these checks, then the cluster (the local
 broker started if none is configured) and that it answers, and only then the generated data
-written; the run dir and the topics come after (``rlstream.job.run_job``). So a refused job has
+written; the run dir and the topics come after (``run_job``). So a refused job has
 created nothing.
 
 What this is not: a dry run. What only a running pipeline shows (a reward function that raises on
@@ -29,7 +29,6 @@ some records, a prompt longer than the limit) still goes to rl.dlq with a reason
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -49,23 +48,6 @@ def check(cfg, data: dict[Path, str] | None = None) -> None:
     tok = tokenizer(cfg)
     chat_template(cfg, tok, sets)
     log.info("checks before start passed in %.1f s", time.monotonic() - t0)
-
-
-@contextlib.contextmanager
-def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say):
-    """A job run's start, in an order where a mistake creates nothing: ``check``, then the cluster
-    (``rlstream.job.kafka_for``: the local broker unless one is configured) and that a broker
-    answers there (BrokerUnreachable, one line; a configured one is tried first, as the quickest
-    check), then the generated data written. Yields the bootstrap address, also set in ``cfg``."""
-    from rlstream.config import require_broker
-    from rlstream.job import connected, write_data
-
-    if cfg.kafka.bootstrap_servers:
-        require_broker(cfg)
-    check(cfg, data)
-    with connected(cfg, keep_broker, say):
-        write_data(data)
-        yield cfg.kafka.bootstrap_servers
 
 
 # ---- datasets -------------------------------------------------------------------------------

@@ -29,6 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint import FORMAT, SHARDED_FORMAT, read_weights
+from pipeline.errors import RlstreamError
+
+
+class EngineHTTPError(RlstreamError):
+    """The completions server answered with an error, or the connection failed past the retries."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        """The HTTP status the server answered (None: no answer)."""
 
 
 @dataclass

@@ -38,20 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from pipeline.checkpoint import read_bytes_verified
-from pipeline.errors import RlstreamError
 from pipeline.log import kv
-from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
+from producers.engines.base import Engine, EngineContext, EngineHTTPError, GenOutput, GenRequest
 
 log = logging.getLogger(__name__)
-
-
-class EngineHTTPError(RlstreamError):
-    """The completions server answered with an error, or the connection failed past the retries."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-        """The HTTP status the server answered (None: no answer)."""
+__all__ = ["EngineHTTPError", "OpenAIEngine"]  # EngineHTTPError lives in engines.base (vllm_server raises it too)
 
 
 class _Call:

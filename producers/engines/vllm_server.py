@@ -55,6 +55,7 @@ from urllib.parse import unquote, urlsplit
 
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
+from producers.engines.base import EngineHTTPError
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,6 @@ class VLLMReloader:
         return min(self.cfg.timeout_s, CONTROL_TIMEOUT_S)
 
     def read_version(self) -> str:
-        from producers.engines.openai import EngineHTTPError
 
         try:
             got = self._call("GET", f"{self.root}/weight_info", None, self._ctl_timeout())
@@ -218,7 +218,6 @@ class VLLMReloader:
         return time.monotonic() - t0
 
     def _load_adapter(self, body: dict) -> None:
-        from producers.engines.openai import EngineHTTPError
 
         try:
             self._call("POST", f"{self.root}/v1/load_lora_adapter", body, self.cfg.reload_timeout_s)
