@@ -125,7 +125,9 @@ def test_helm_template_and_lint_without_a_cluster_or_kube_version():
     1.20 and refuses the chart; scripts/setup-infra-tools.sh links it like a release build."""
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
     proc = subprocess.run([HELM, "template", "rl", str(CHART)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"{proc.stderr.strip()} (chart kubeVersion {meta['kubeVersion']}; rebuild helm: {SETUP})"
+    assert proc.returncode == 0, (
+        f"{proc.stderr.strip()} (chart kubeVersion {meta['kubeVersion']}; rebuild helm: {SETUP})"
+    )
     kinds = {o["kind"] for o in yaml.safe_load_all(proc.stdout) if o}
     assert {"Deployment", "StatefulSet", "Job", "ConfigMap"} <= kinds
     assert "0 chart(s) failed" in helm("lint", "--strict", str(CHART))
