@@ -33,6 +33,50 @@ class InvalidRecord(DecodeError):
         super().__init__(reason, error_type=error_type)
 
 
+# ---- WeightUpdate (rl.control) ----------------------------------------------------------------
+HF_DIR_KEY = "hf_dir"
+"""WeightUpdate metadata key of the version's HF model directory (written with ``trainer.publish_hf``)."""
+
+
+def update_kind(update: dict) -> str:
+    """A WeightUpdate's kind: ``full`` or ``adapter`` (a v1 notice has none: full weights)."""
+    return update.get("kind") or "full"
+
+
+def update_hf_dir(update: dict) -> str:
+    """The HF model directory a WeightUpdate names in its metadata ('' when it names none)."""
+    return (update.get("metadata") or {}).get(HF_DIR_KEY) or ""
+
+
+# ---- per-token version marks (Trajectory / ScoredTrajectory metadata) --------------------------
+VERSIONS_KEY = "versions"
+"""The metadata key of a sample's per-token version marks."""
+
+
+def format_version_marks(marks) -> str:
+    """``"i@v,..."``: policy version ``v`` generated the response from token ``i`` on (written by the
+    rollout worker, ``producers.sample``, when a sample spans weight updates)."""
+    return ",".join(f"{i}@{v}" for i, v in marks)
+
+
+def split_version_marks(text: str | None) -> list[tuple[int, int]]:
+    """The ``(index, version)`` pairs of ``format_version_marks``'s text (``[]`` for none), checked
+    for their form only; InvalidRecord when it is not ``index@version,...``. What the pairs must
+    satisfy against a record is the trainer's check (``consumers.trainer.staleness.parse_marks``)."""
+    if not text:
+        return []
+    pairs = []
+    for part in text.split(","):
+        i, sep, v = part.strip().partition("@")
+        try:
+            if not sep:
+                raise ValueError(part)
+            pairs.append((int(i), int(v)))
+        except ValueError:
+            raise InvalidRecord(f"metadata versions {text[:80]!r} is not 'index@version,...'") from None
+    return pairs
+
+
 def _text(rec: dict, *fields: str) -> None:
     for f in fields:
         if len(rec.get(f) or "") > MAX_TEXT_CHARS:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pipeline import codec
 from pipeline.control import now_ms
+from pipeline.records import VERSIONS_KEY, format_version_marks
 from producers.engines.base import GenOutput, GenRequest
 from producers.envs import Environment, StepResult
 
@@ -147,7 +148,7 @@ class Sample:
         p = self.prompt
         meta = {}
         if self.version_marks:
-            meta["versions"] = ",".join(f"{i}@{v}" for i, v in self.version_marks)
+            meta[VERSIONS_KEY] = format_version_marks(self.version_marks)
         if self.env is not None:
             meta["env_reward"] = repr(self.env_reward)
         return {

@@ -31,17 +31,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pipeline.control import ControlFollower, may_admit
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
+from pipeline.records import update_kind
 
 log = logging.getLogger(__name__)
 
 
 class WeightFormatError(RlstreamError):
     """A WeightUpdate announces weights the rollout engine cannot load."""
-
-
-def update_kind(update: dict) -> str:
-    """``full`` or ``adapter`` (a v1 notice has no kind: full weights)."""
-    return update.get("kind") or "full"
 
 
 class WeightSync:

@@ -35,6 +35,7 @@ from collections import Counter, defaultdict
 
 from pipeline import codec
 from pipeline.errors import DecodeError
+from pipeline.records import VERSIONS_KEY, InvalidRecord, split_version_marks
 
 EXAMPLES = 20
 """Longest list of examples kept per finding in the report."""
@@ -57,7 +58,7 @@ def _reduce(role: str, rec: dict) -> dict:
             "tid": t["trajectory_id"],
             "gid": t["group_id"],
             "version_min": t["version_min"],
-            "versions": (t.get("metadata") or {}).get("versions"),
+            "versions": (t.get("metadata") or {}).get(VERSIONS_KEY),
             "src": (rec["source_partition"], rec["source_offset"]),
         }
     return {
@@ -98,9 +99,8 @@ def version_at(marks: str | None, version_min: int, index: int) -> int:
     (producers/sample.py: version v from index i to the next mark); ``version_min`` before the
     first mark, and for the whole response when the marks are missing or unreadable."""
     try:
-        pairs = [m.split("@") for m in marks.split(",")] if marks else []
-        before = [(int(i), int(v)) for i, v in pairs if int(i) <= index]
-    except ValueError:  # unreadable (or "i@v@w"): the conservative reading
+        before = [(i, v) for i, v in split_version_marks(marks) if i <= index]
+    except InvalidRecord:  # unreadable (or "i@v@w"): the conservative reading
         return version_min
     return max(before)[1] if before else version_min
 

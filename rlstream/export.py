@@ -22,6 +22,7 @@ from pipeline import codec
 from pipeline.errors import ConfigError, DecodeError, RlstreamError, UnknownVersion
 from pipeline.kafka import Consumer, client_conf
 from pipeline.log import kv
+from pipeline.records import update_kind
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def export(cfg, out: Path, version: int | None = None) -> dict:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file: give the directory to write")
     update = find_update(cfg, version)
-    if (update.get("kind") or "full") != "full":
+    if update_kind(update) != "full":
         raise RlstreamError(
             f"version {update['version']} is a LoRA adapter ({update['uri']}): its directory is PEFT's layout already"
         )

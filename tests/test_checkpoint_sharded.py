@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from consumers.trainer.engines import TrainContext, build_engine  # noqa: E402
-from consumers.trainer.publish import HF_DIR_KEY, write_version  # noqa: E402
+from consumers.trainer.publish import write_version  # noqa: E402
 from pipeline import checkpoint  # noqa: E402
 from pipeline.checkpoint import (  # noqa: E402
     INDEX_FILE,
@@ -31,6 +31,7 @@ from pipeline.checkpoint import (  # noqa: E402
 )
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.models import load_tokenizer, materialize  # noqa: E402
+from pipeline.records import HF_DIR_KEY  # noqa: E402
 from rlstream.config import load_config  # noqa: E402
 from tests.test_deepspeed import TINY  # noqa: E402
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.trainer.publish import HF_DIR_KEY
 from pipeline.checkpoint import ChecksumError, version_dir, weights_format, write_hf_files, write_weights
 from pipeline.errors import RlstreamError
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
+from pipeline.records import HF_DIR_KEY
 from producers.config import OpenAIEngineConfig
 from producers.engines import EngineContext
 from producers.engines.base import GenRequest

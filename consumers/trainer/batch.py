@@ -20,7 +20,7 @@ import numpy as np
 
 from consumers.trainer import advantages
 from consumers.trainer.collate import MicroBatch, collate, pack, shard_micro_batches, split_by_tokens, trainable_start
-from consumers.trainer.staleness import VERSIONS_KEY, TokenCut, gate, parse_marks
+from consumers.trainer.staleness import TokenCut, gate, parse_marks
 
 __all__ = [
     "MicroBatch",
@@ -36,7 +36,7 @@ __all__ = [
     "split_by_tokens",
     "split_minibatches",
 ]
-from pipeline.records import check_scored
+from pipeline.records import VERSIONS_KEY, check_scored
 
 
 @dataclass

@@ -22,8 +22,8 @@ from pathlib import Path
 from pipeline.checkpoint import FORMAT, version_dir, weights_format, write_adapter, write_hf_files, write_weights
 from pipeline.control import now_ms
 from pipeline.errors import RlstreamError
+from pipeline.records import HF_DIR_KEY
 
-HF_DIR_KEY = "hf_dir"
 """``WeightUpdate.metadata`` key naming the version's HF model directory (``trainer.publish_hf``)."""
 
 

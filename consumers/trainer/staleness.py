@@ -25,11 +25,9 @@ from itertools import pairwise
 import numpy as np
 
 from pipeline.control import is_stale
-from pipeline.records import InvalidRecord
+from pipeline.records import InvalidRecord, split_version_marks
 
 RULES = ("sample", "token")
-VERSIONS_KEY = "versions"
-"""The Trajectory metadata key of the token-index@version marks."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +47,12 @@ def parse_marks(text: str | None, n_response: int, version_min: int, version_max
     increasing within the response, versions non-decreasing within [version_min, version_max],
     and the per-token versions they give span exactly [version_min, version_max]. ``()`` when there
     are none. ``InvalidRecord`` otherwise (the trainer dead-letters such a record under the token rule)."""
-    if not text:
-        return ()
-    marks = []
     try:
-        for part in text.split(","):
-            i, _, v = part.strip().partition("@")
-            marks.append((int(i), int(v)))
-    except ValueError:
-        raise InvalidRecord(f"{tid}: metadata versions {text[:80]!r} is not 'index@version,...'") from None
+        marks = split_version_marks(text)
+    except InvalidRecord as exc:
+        raise InvalidRecord(f"{tid}: {exc}") from None
+    if not marks:
+        return ()
     for (i0, v0), (i1, v1) in pairwise(marks):
         if i1 <= i0 or v1 < v0:
             raise InvalidRecord(f"{tid}: metadata versions {text[:80]!r}: indices must increase, versions not decrease")

@@ -30,6 +30,7 @@ from typing import Any
 
 from pipeline.checkpoint import FORMAT, SHARDED_FORMAT, read_weights
 from pipeline.errors import RlstreamError
+from pipeline.records import update_kind
 
 
 class EngineHTTPError(RlstreamError):
@@ -123,7 +124,7 @@ class Engine(ABC):
         Returns what ``load_weights`` needs: a state dict for full weights (shards read in parallel:
         ``pipeline.checkpoint.iter_weights``), a ``PreparedAdapter`` (checked against this worker's
         base model) for an adapter."""
-        if (update.get("kind") or "full") == "adapter":
+        if update_kind(update) == "adapter":
             from producers.engines.adapters import prepare_adapter
 
             return prepare_adapter(update, self.ctx.model_dir)

@@ -34,6 +34,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from pipeline.checkpoint import iter_weights
 from pipeline.log import kv
 from pipeline.models import load_model
+from pipeline.records import update_kind
 from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class HFEngine(Engine):
     def load_weights(self, update: dict, prepared) -> None:
         if self.inflight():
             raise RuntimeError("load_weights with requests in flight")
-        if (update.get("kind") or "full") == "adapter":
+        if update_kind(update) == "adapter":
             from producers.engines.adapters import PeftApplier
 
             self._peft = self._peft or PeftApplier(self.model)
@@ -139,7 +140,7 @@ class HFEngine(Engine):
     def prepare_weights(self, update: dict):
         """Full weights: every verified shard converted to the model's dtypes and device as soon as
         it is read (the next shards are being read meanwhile), on the weight-fetch thread."""
-        if (update.get("kind") or "full") == "adapter":
+        if update_kind(update) == "adapter":
             return super().prepare_weights(update)
         staged = {}
         for _, tensors in iter_weights(update["uri"], update["sha256"]):

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 from pipeline.checkpoint import read_bytes_verified
 from pipeline.log import kv
+from pipeline.records import update_kind
 from producers.engines.base import Engine, EngineContext, EngineHTTPError, GenOutput, GenRequest
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ def reload_body(update: dict) -> dict:
         "uri": update["uri"],
         "sha256": update["sha256"],
         "version": int(update["version"]),
-        "kind": update.get("kind") or "full",
+        "kind": update_kind(update),
     }
     if body["kind"] == "adapter":
         body.update(

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from pipeline.errors import ConfigError
+from pipeline.records import update_kind
 from producers.engines.base import Engine, EngineContext, GenOutput, GenRequest
 
 _CPU_ENV = {
@@ -163,7 +164,7 @@ class VLLMEngine(Engine):
         return out
 
     def prepare_weights(self, update: dict):
-        if (update.get("kind") or "full") == "adapter":
+        if update_kind(update) == "adapter":
             from producers.engines.adapters import BaseWeights, merged_weights, prepare_adapter
 
             self._base = self._base or BaseWeights(self.ctx.model_dir)
@@ -178,7 +179,7 @@ class VLLMEngine(Engine):
     def load_weights(self, update: dict, prepared) -> None:
         if self.partial:
             raise RuntimeError("load_weights with requests in flight")
-        if (update.get("kind") or "full") == "adapter":
+        if update_kind(update) == "adapter":
             self.llm.collective_rpc(_load_tensors, args=(prepared,))
         else:
             self.llm.collective_rpc(_reload_from_uri, args=(update["uri"], update["sha256"]))

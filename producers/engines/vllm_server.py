@@ -55,6 +55,7 @@ from urllib.parse import unquote, urlsplit
 
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
+from pipeline.records import update_hf_dir, update_kind
 from producers.engines.base import EngineHTTPError
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,9 @@ def local_dir(ref: str) -> Path:
 def plan_load(update: dict, model_dir: Path | None = None) -> VLLMLoad:
     """Check what a WeightUpdate names and decide how the server loads it (runs on the fetch thread).
     An adapter's ``base_sha256`` is checked against ``model_dir`` (the worker's base) when given."""
-    v, kind = int(update["version"]), update.get("kind") or "full"
+    v, kind = int(update["version"]), update_kind(update)
     tag = version_tag(update)
-    hf = (update.get("metadata") or {}).get("hf_dir") or ""
+    hf = update_hf_dir(update)
     if hf:
         path = local_dir(hf)
         if (path / "adapter_config.json").is_file():
