@@ -102,7 +102,19 @@ class JobConfig(StrictModel):
     """Generate the training data with a built-in generator instead of ``feed.source``."""
     metrics_port_base: int = Field(0, ge=0, le=65000)
     """Serve Prometheus /metrics: rollout-i on base+i, reward-i on base+10+i, trainer on base+20,
-    eval on base+30; the launcher also writes Prometheus file-based discovery targets (0 = off)."""
+    eval on base+30 (blocks of 10 ports; wider blocks, of the larger worker count, beyond 10 workers
+    of a kind: ``rlstream.launcher.metrics_port``); the launcher also writes Prometheus file-based
+    discovery targets (0 = off)."""
+
+    @model_validator(mode="after")
+    def _ports_fit(self):
+        if self.metrics_port_base:
+            top = self.metrics_port_base + 4 * max(10, self.rollout_workers, self.reward_workers) - 1
+            if top > 65535:
+                raise ValueError(
+                    f"job.metrics_port_base={self.metrics_port_base}: the ports would reach {top} (> 65535)"
+                )
+        return self
 
 
 class Config(StrictModel):

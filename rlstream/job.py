@@ -196,7 +196,7 @@ def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_re
     returns the report (also in ``<run dir>/report.json``)."""
     from rich.console import Console
 
-    from rlstream.launcher import Launcher, RoleSpec, standard_roles
+    from rlstream.launcher import Launcher, RoleSpec, metrics_port, standard_roles
 
     console = console or Console(stderr=True)
     j = cfg.job
@@ -204,7 +204,10 @@ def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_re
     if j.eval:
         roles.append(
             RoleSpec(
-                "eval", "eval", may_exit=False, metrics_port=j.metrics_port_base + 30 if j.metrics_port_base else 0
+                "eval",
+                "eval",
+                may_exit=False,
+                metrics_port=metrics_port(j.metrics_port_base, "eval", 0, j.rollout_workers, j.reward_workers),
             )
         )
     run_dir = Path(cfg.run_dir)

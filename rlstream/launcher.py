@@ -63,16 +63,31 @@ class RoleSpec:
     metrics_port: int = 0
 
 
-def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_base: int = 0) -> list[RoleSpec]:
-    """feed, trainer, reward-i, rollout-i; with ``metrics_port_base`` Prometheus ports rollout-i on
-    base+i, reward-i on base+10+i, trainer on base+20."""
+def metrics_port_block(rollout_workers: int, reward_workers: int) -> int:
+    """The width of each role's block of Prometheus ports: 10, or more for more workers of a kind."""
+    return max(10, rollout_workers, reward_workers)
 
-    def port(offset: int) -> int:
-        return metrics_port_base + offset if metrics_port_base else 0
+
+def metrics_port(base: int, role: str, i: int, rollout_workers: int, reward_workers: int) -> int:
+    """The /metrics port of ``role`` (worker ``i``) under ``job.metrics_port_base`` ``base`` (0: none).
+    Blocks of ``metrics_port_block`` ports: rollout-i at base+i, reward-i at base+B+i, the trainer at
+    base+2B, eval at base+3B; with up to 10 workers of each kind B = 10 (9100, 9110, 9120, 9130 for
+    base 9100), and no two roles ever share a port whatever the counts."""
+    if not base:
+        return 0
+    block = metrics_port_block(rollout_workers, reward_workers)
+    return base + {"rollout": 0, "reward": block, "trainer": 2 * block, "eval": 3 * block}[role] + i
+
+
+def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_base: int = 0) -> list[RoleSpec]:
+    """feed, trainer, reward-i, rollout-i; with ``metrics_port_base`` Prometheus ports (``metrics_port``)."""
+
+    def port(role: str, i: int = 0) -> int:
+        return metrics_port(metrics_port_base, role, i, rollout_workers, reward_workers)
 
     roles = [
         RoleSpec("feed", "feed", may_exit=True),
-        RoleSpec("trainer", "train", may_exit=True, metrics_port=port(20)),
+        RoleSpec("trainer", "train", may_exit=True, metrics_port=port("trainer")),
     ]
     roles += [
         # a stable worker id (hence transactional id) and static membership: a restarted reward worker
@@ -81,12 +96,12 @@ def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_
             f"reward-{i}",
             "reward",
             [f"reward.worker_id=reward-{i}", f"reward.group_instance_id=reward-{i}"],
-            metrics_port=port(10 + i),
+            metrics_port=port("reward", i),
         )
         for i in range(reward_workers)
     ]
     roles += [
-        RoleSpec(f"rollout-{i}", "rollout", [f"rollout.worker_id=rollout-{i}"], metrics_port=port(i))
+        RoleSpec(f"rollout-{i}", "rollout", [f"rollout.worker_id=rollout-{i}"], metrics_port=port("rollout", i))
         for i in range(rollout_workers)
     ]
     return roles

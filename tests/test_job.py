@@ -132,3 +132,28 @@ def test_a_killed_job_resumes_with_nothing_lost_or_trained_twice(cli_env, tmp_pa
     assert set(trained) == set(range(1, steps + 1))
     # a step whose samples were all stale (possible after the kill) has no reward point, not 0.0
     assert {e.step for e in ea.Scalars("trainer/reward_mean")} == {s for s, n in trained.items() if n > 0}
+
+
+def test_metrics_ports_keep_their_layout_and_never_collide_whatever_the_worker_counts():
+    from rlstream.launcher import metrics_port
+
+    assert [metrics_port(9100, r, 0, 2, 2) for r in ("rollout", "reward", "trainer", "eval")] == [
+        9100,
+        9110,
+        9120,
+        9130,
+    ]
+    assert metrics_port(0, "trainer", 0, 2, 2) == 0
+    for rollouts, rewards in ((10, 10), (11, 2), (3, 40), (256, 256)):
+        ports = [metrics_port(9000, "rollout", i, rollouts, rewards) for i in range(rollouts)]
+        ports += [metrics_port(9000, "reward", i, rollouts, rewards) for i in range(rewards)]
+        ports += [metrics_port(9000, r, 0, rollouts, rewards) for r in ("trainer", "eval")]
+        assert len(set(ports)) == len(ports), (rollouts, rewards)
+
+
+def test_a_metrics_port_base_whose_ports_pass_65535_is_refused():
+    from rlstream.config import JobConfig
+
+    JobConfig(metrics_port_base=65000, rollout_workers=2)
+    with pytest.raises(ValueError, match="65535"):
+        JobConfig(metrics_port_base=65000, rollout_workers=200)
