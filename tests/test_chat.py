@@ -86,7 +86,7 @@ def test_a_chat_prompt_under_never_has_no_tokens_and_goes_to_the_dlq(make_config
     dead-letters it with the reason (it used to hand the engine an empty context, which raised) and
     goes on with the plain record. ``rlstream run`` refuses such a job before start (test_preflight)."""
     from producers import feed
-    from producers.testing import read_topic
+    from tests.rollout_helpers import read_topic
     from tests.test_rollout import WorkerThread, trajectories
 
     data = tmp_path / "chat.jsonl"

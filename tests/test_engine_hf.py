@@ -8,7 +8,7 @@ from producers.config import HFEngineConfig
 from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.engines.hf import HFEngine
-from producers.testing import forcing_state_dict
+from tests.rollout_helpers import forcing_state_dict
 
 
 @pytest.fixture(scope="module")

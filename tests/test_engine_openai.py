@@ -15,7 +15,7 @@ from producers.engines import EngineContext
 from producers.engines.base import GenRequest
 from producers.engines.openai import EngineHTTPError, OpenAIEngine
 from producers.openai_server import CompletionServer
-from producers.testing import forcing_state_dict
+from tests.rollout_helpers import forcing_state_dict
 from tests.test_engine_hf import reqs, teacher_forced_logprobs
 
 

@@ -15,9 +15,9 @@ from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materia
 from producers.config import VLLMEngineConfig
 from producers.engines import EngineContext
 from producers.engines.base import GenRequest
-from producers.testing import forcing_state_dict, read_topic
 from rlstream.demo import DEMO_MODEL
 from tests.conftest import rlstream_cmd
+from tests.rollout_helpers import forcing_state_dict, read_topic
 from tests.test_engine_hf import reqs, teacher_forced_logprobs
 
 pytestmark = [

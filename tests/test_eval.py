@@ -32,8 +32,8 @@ def evaluating(ev):
 
 
 def test_eval_scores_version_zero_and_every_published_version(make_config, tmp_path):
-    from producers.testing import forcing_state_dict, publish_version, read_topic
     from rlstream.eval import Evaluator
+    from tests.rollout_helpers import forcing_state_dict, publish_version, read_topic
     from tests.test_rollout import base_state, wait_for
 
     held_out = write_task(tmp_path / "heldout.jsonl")
@@ -67,7 +67,7 @@ def eval_config(make_config, tmp_path, *extra):
 def answers_one(cfg) -> dict:
     """Weights that always answer "1": right for the prompt "0>" only (1 of 10)."""
     from pipeline.models import load_tokenizer, materialize
-    from producers.testing import forcing_state_dict
+    from tests.rollout_helpers import forcing_state_dict
     from tests.test_rollout import base_state
 
     tok = load_tokenizer(materialize(cfg.model))
@@ -79,8 +79,8 @@ def test_the_final_version_is_evaluated_whatever_every_versions_says(make_config
     last, not a multiple of 5) is evaluated, and its event says it is the final one."""
     import time
 
-    from producers.testing import publish_version, read_topic
     from rlstream.eval import Evaluator
+    from tests.rollout_helpers import publish_version, read_topic
     from tests.test_rollout import wait_for
 
     cfg = eval_config(make_config, tmp_path, "eval.every_versions=5", "trainer.max_steps=3")
@@ -102,8 +102,8 @@ def test_eval_version_and_latest_evaluate_one_version_once_and_print_it(make_con
     """`rlstream eval --version N` / `--latest`: that version once, the result printed, exit 0,
     nothing published; a version that is not there: one line listing those that are."""
     from pipeline.config import dump_toml
-    from producers.testing import publish_version, read_topic
     from tests.conftest import run_cli
+    from tests.rollout_helpers import publish_version, read_topic
 
     cfg = eval_config(make_config, tmp_path)
     publish_version(cfg, 1, answers_one(cfg))

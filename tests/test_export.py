@@ -21,7 +21,7 @@ def test_exported_directory_loads_and_reproduces_the_engines_logprobs(make_confi
     from pipeline.models import load_model, load_tokenizer, materialize
     from producers.config import HFEngineConfig
     from producers.engines import EngineContext, build_engine
-    from producers.testing import publish_version
+    from tests.rollout_helpers import publish_version
 
     cfg = make_config()
     base = load_model(materialize(cfg.model)).state_dict()

@@ -14,8 +14,8 @@ from pipeline.errors import ConfigError
 from producers import feed
 from producers.datasets import load_dataset
 from producers.feed import split_group
-from producers.testing import end_offsets, read_topic
 from tests.conftest import rlstream_cmd, run_cli
+from tests.rollout_helpers import end_offsets, read_topic
 
 DATA = "tests/data/prompts.jsonl"
 N = 12  # records in DATA
@@ -157,7 +157,7 @@ def test_paced_dispatch_admits_and_places_on_the_shortest_queue(make_config):
     import threading
 
     from pipeline.kafka import Consumer, TopicPartition, client_conf
-    from producers.testing import publish_version
+    from tests.rollout_helpers import publish_version
     from tests.test_rollout import base_state
 
     cfg = make_config(
@@ -201,7 +201,7 @@ def test_paced_dispatch_publishes_lead_steps_ahead_of_admission(make_config):
     and 1, plus one step of lead) and nothing more; version 1 lets out exactly the next step's."""
     import threading
 
-    from producers.testing import publish_version
+    from tests.rollout_helpers import publish_version
     from tests.test_rollout import base_state
 
     cfg = make_config(

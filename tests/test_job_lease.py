@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from producers.testing import read_topic
 from tests.conftest import REPO, rlstream_cmd
+from tests.rollout_helpers import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 JOB = REPO / "examples/next-digit.toml"

@@ -18,8 +18,8 @@ import pytest
 
 from pipeline.errors import JobAlreadyRunning
 from pipeline.kafka import TIMESTAMP_LOG_APPEND_TIME, Producer, client_conf
-from producers.testing import read_topic
 from rlstream.lease import SCHEMA, JobLease, ensure_lease_topic, host_id, process_started
+from tests.rollout_helpers import read_topic
 
 pytestmark = pytest.mark.kafka
 

@@ -159,7 +159,7 @@ def test_partitions_handed_back_while_prompts_are_held_are_fetched_again(make_co
     without the wrapper's resume-on-assign A never fetches them again and the groups on them are
     never generated."""
     from producers import feed
-    from producers.testing import publish_version
+    from tests.rollout_helpers import publish_version
     from tests.test_rollout import WorkerThread, base_state, trajectories, wait_for
 
     common = ("rl.max_staleness=0", "rl.groups_per_step=2", "rl.group_size=2", "topics.prompts.partitions=4")

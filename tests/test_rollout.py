@@ -13,7 +13,7 @@ from pipeline.kafka import Consumer, Producer, client_conf
 from pipeline.models import load_model, materialize
 from producers import feed
 from producers.rollout import RolloutWorker
-from producers.testing import end_offsets, forcing_state_dict, publish_version, read_topic
+from tests.rollout_helpers import end_offsets, forcing_state_dict, publish_version, read_topic
 
 pytestmark = pytest.mark.kafka
 DATA = "tests/data/prompts.jsonl"

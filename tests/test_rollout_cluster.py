@@ -10,9 +10,9 @@ import time
 import pytest
 
 from producers import feed
-from producers.testing import end_offsets, read_topic
 from tests.conftest import rlstream_cmd
 from tests.helpers import murmur2_partition
+from tests.rollout_helpers import end_offsets, read_topic
 from tests.test_rollout import committed
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

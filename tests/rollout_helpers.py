@@ -1,4 +1,4 @@
-"""Helpers for tests, benchmarks and demos of the rollout side: read a topic to its end, publish a
+"""Test helpers of the rollout side (not shipped in the package): read a topic to its end, publish a
 weights version, and build weights that force the model to emit one token.
 
 What this is not: part of any worker's data path.
