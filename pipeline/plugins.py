@@ -108,14 +108,15 @@ class Registry:
     def __contains__(self, name: str) -> bool:
         return name in self._entries or is_dotted(name)
 
-    def get(self, name: str) -> Any:
-        """The object registered as ``name``, or the one ``name`` points at (``module:Attr``)."""
+    def get(self, name: str, dirs: Sequence[str | Path] = ()) -> Any:
+        """The object registered as ``name``, or the one ``name`` points at (``module:Attr``, its
+        module looked up in ``dirs`` first: ``load_object``)."""
         if name in self._entries:
             obj = self._entries[name]
             if isinstance(obj, str):
                 obj = self._entries[name] = load_object(obj)
         elif is_dotted(name):
-            obj = load_object(name)
+            obj = load_object(name, dirs)
         else:
             raise ConfigError(f"unknown {self.kind} {name!r}; built-ins: {', '.join(self.names())}, or {self.hint}")
         if self.base is not None and not (isinstance(obj, type) and issubclass(obj, self.base)):

@@ -183,6 +183,10 @@ class EnvConfig(StrictModel):
     """Task name -> environment: a built-in name (``guess_number``) or ``module:Class``."""
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Task name -> options handed to that task's environment (its ``config``)."""
+    import_dirs: list[Path] = Field(default_factory=list, max_length=64)
+    """Directories where the module of a ``module:Class`` environment is looked up first (by name;
+    sys.path is not changed), then the import path. ``rlstream run`` adds the job file's
+    directory, as it does for ``reward.import_dirs``."""
     max_turns: int = Field(8, ge=1, le=1000)
     """Most model turns per episode."""
     max_turn_tokens: int = Field(16, ge=1, le=65536)

@@ -102,6 +102,7 @@ class GuessNumberEnv(Environment):
 ENVIRONMENTS = Registry("environment", {"guess_number": "producers.envs:GuessNumberEnv"}, base=Environment)
 
 
-def env_factory(spec: str) -> type[Environment]:
-    """The Environment class a config names: a registered name or ``module:Class``."""
-    return ENVIRONMENTS.get(spec)
+def env_factory(spec: str, dirs=()) -> type[Environment]:
+    """The Environment class a config names: a registered name or ``module:Class`` (its module
+    looked up in ``dirs`` first, then the import path: ``rollout.env.import_dirs``)."""
+    return ENVIRONMENTS.get(spec, dirs)

@@ -101,7 +101,7 @@ class RolloutWorker(Worker):
         self.tokenizer = self.tokenizer or load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
         self.stop_ids = frozenset(self._stop_id(s) for s in self.rc.env.stop)
-        self.envs = {task: env_factory(spec) for task, spec in self.rc.env.tasks.items()}
+        self.envs = {task: env_factory(spec, self.rc.env.import_dirs) for task, spec in self.rc.env.tasks.items()}
         if self.engine is None:
             ctx = EngineContext(model_dir, self.tokenizer, self.worker_id, self.rc.max_inflight)
             self.engine = build_engine(self.rc.engine, ctx)

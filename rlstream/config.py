@@ -201,10 +201,12 @@ def require_broker(cfg: Config, bootstrap: str | None = None) -> None:
 
 
 def record_job_dir(cfg: Config, job_file: str | Path | None) -> None:
-    """Add the job file's directory to ``reward.import_dirs``: a reward module kept beside the job
-    file is then found by the job's roles, and by roles started by hand with the run's config.toml."""
+    """Add the job file's directory to ``reward.import_dirs`` and ``rollout.env.import_dirs``: a
+    reward or environment module kept beside the job file is then found by the job's roles, and by
+    roles started by hand with the run's config.toml."""
     if job_file is None:
         return
     where = Path(job_file).resolve().parent
-    if where not in [Path(d).resolve() for d in cfg.reward.import_dirs]:
-        cfg.reward.import_dirs = [*cfg.reward.import_dirs, where]
+    for section in (cfg.reward, cfg.rollout.env):
+        if where not in [Path(d).resolve() for d in section.import_dirs]:
+            section.import_dirs = [*section.import_dirs, where]

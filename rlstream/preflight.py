@@ -113,10 +113,9 @@ def environments(cfg) -> None:
 
     for task, spec in cfg.rollout.env.tasks.items():
         try:
-            env_factory(spec)
-        except ConfigError as exc:
-            where = " (a module:Class is imported from PYTHONPATH or the working directory)" if ":" in spec else ""
-            raise ConfigError(f"rollout.env.tasks.{task}: {exc}{where}") from exc
+            env_factory(spec, cfg.rollout.env.import_dirs)
+        except ConfigError as exc:  # (load_object's message names where it looked)
+            raise ConfigError(f"rollout.env.tasks.{task}: {exc}") from exc
 
 
 # ---- model and chat template ----------------------------------------------------------------

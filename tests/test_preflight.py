@@ -115,7 +115,7 @@ def test_a_reward_module_beside_the_job_file_is_found_from_another_directory(cli
                        text=True, timeout=120, cwd=tmp_path / "cwd")  # fmt: skip
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert "rollout.env.tasks.g: 'nowhere_xyz:Env': cannot import nowhere_xyz" in p.stderr, p.stderr
-    assert "PYTHONPATH or the working directory" in p.stderr
+    assert f"looked in {job.parent}" in p.stderr.replace("\n", ""), p.stderr  # the job file's directory first
     assert not (tmp_path / "runs").exists()
 
 
@@ -141,3 +141,33 @@ def test_the_checks_pass_a_good_job_and_read_generated_data_before_it_is_written
     cfg, data = plan(chat, [f"run_dir={json.dumps(str(tmp_path / 'runs'))}"])
     assert not data
     check(cfg, data)
+
+
+ENV_MODULE = '''from producers.envs import Environment, StepResult
+
+
+class Echo(Environment):
+    def reset(self, prompt, sample_index):
+        return "say something\\n"
+
+    def step(self, text):
+        return StepResult("", 1.0, True, {})
+'''
+
+
+def test_an_environment_module_beside_the_job_file_is_found_like_a_reward(tmp_path):
+    """``rlstream run`` puts the job file's directory in rollout.env.import_dirs too: the checks and
+    the rollout worker's env_factory find a ``module:Class`` kept there, without sys.path edits."""
+    from pipeline.errors import ConfigError
+    from producers.envs import Environment, env_factory
+    from rlstream.config import Config, record_job_dir
+
+    (tmp_path / "my_echo_env.py").write_text(ENV_MODULE)
+    with pytest.raises(ConfigError):
+        env_factory("my_echo_env:Echo")  # not on the import path
+    cfg = Config()
+    record_job_dir(cfg, tmp_path / "job.toml")
+    assert [p.resolve() for p in cfg.rollout.env.import_dirs] == [tmp_path.resolve()]
+    assert cfg.reward.import_dirs == cfg.rollout.env.import_dirs
+    env = env_factory("my_echo_env:Echo", cfg.rollout.env.import_dirs)
+    assert issubclass(env, Environment) and env.__name__ == "Echo"
