@@ -143,7 +143,7 @@ def test_the_checks_pass_a_good_job_and_read_generated_data_before_it_is_written
     check(cfg, data)
 
 
-ENV_MODULE = '''from producers.envs import Environment, StepResult
+ENV_MODULE = """from producers.envs import Environment, StepResult
 
 
 class Echo(Environment):
@@ -152,7 +152,7 @@ class Echo(Environment):
 
     def step(self, text):
         return StepResult("", 1.0, True, {})
-'''
+"""
 
 
 def test_an_environment_module_beside_the_job_file_is_found_like_a_reward(tmp_path):
