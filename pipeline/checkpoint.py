@@ -38,7 +38,6 @@ torch and safetensors are imported inside functions only.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -52,8 +51,10 @@ from pathlib import Path
 
 import fsspec
 
+from pipeline import safetensors_io
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
+from pipeline.safetensors_io import CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ HF_FILES = (
     "chat_template.json",
 )
 """The files of a model directory, besides its weights, that ``write_hf_files`` copies."""
-_CHUNK = 16 << 20
 
 
 class ChecksumError(RlstreamError):
@@ -128,96 +128,10 @@ def weights_format(uri: str) -> str:
     return SHARDED_FORMAT if uri.endswith(INDEX_FILE) else FORMAT
 
 
-# ---- safetensors, written and parsed here (zero-copy both ways) -------------------------------
-@functools.cache
-def _dtypes() -> dict:
-    import torch
-
-    names = {
-        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-        "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    }  # fmt: skip
-    return names
-
-
-def _raw(t) -> memoryview:
-    """The bytes of tensor ``t`` (moved to the CPU, made contiguous), without another copy."""
-    import torch
-
-    t = t.detach().cpu().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _header(tensors: list[tuple[str, object]], metadata: dict[str, str]) -> tuple[bytes, list]:
-    """The safetensors header of ``tensors`` and their order in the file: larger elements first,
-    so every tensor's offset is a multiple of its element size (readers view them in place)."""
-    codes = {v: k for k, v in _dtypes().items()}
-    order = sorted(tensors, key=lambda kv_: (-kv_[1].element_size(), kv_[0]))
-    head: dict = {"__metadata__": metadata}
-    off = 0
-    for name, t in order:
-        if t.dtype not in codes:
-            raise RlstreamError(f"tensor {name}: dtype {t.dtype} has no safetensors code")
-        n = t.numel() * t.element_size()
-        head[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        off += n
-    js = json.dumps(head, separators=(",", ":")).encode()
-    js += b" " * (-len(js) % 8)
-    return len(js).to_bytes(8, "little") + js, order
-
-
 def _write_file(uri: str, tensors: list[tuple[str, object]], metadata: dict[str, str]) -> tuple[str, int]:
-    """Write one safetensors file (temp name, then rename); returns ``(sha256, bytes)``."""
-    head, order = _header(tensors, metadata)
+    """Write one safetensors file at ``uri`` (``pipeline.safetensors_io``); returns ``(sha256, bytes)``."""
     fs, path = _fs(uri)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    tmp = f"{path}.tmp-{time.monotonic_ns()}-{os.getpid()}"
-    h, n = hashlib.sha256(head), len(head)
-    try:
-        with fs.open(tmp, "wb") as f:
-            f.write(head)
-            for _, t in order:
-                mv = _raw(t)
-                for i in range(0, len(mv), _CHUNK):
-                    h.update(mv[i : i + _CHUNK])  # hashlib and file writes release the GIL
-                    f.write(mv[i : i + _CHUNK])
-                n += len(mv)
-        fs.mv(tmp, path)
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm(tmp)
-        raise
-    return h.hexdigest(), n
-
-
-def _parse(buf, where: str) -> dict:
-    """Tensors of the safetensors bytes in the uint8 tensor ``buf``: views of it, not copies."""
-    dtypes = _dtypes()
-    size = buf.numel()
-    if size < 8:
-        raise RlstreamError(f"{where}: not a safetensors file ({size} bytes)")
-    n = int.from_bytes(bytes(buf[:8].numpy()), "little")
-    if 8 + n > size:
-        raise RlstreamError(f"{where}: safetensors header of {n} bytes does not fit in {size}")
-    head = json.loads(bytes(buf[8 : 8 + n].numpy()))
-    head.pop("__metadata__", None)
-    out = {}
-    for name, e in head.items():
-        if e["dtype"] not in dtypes:
-            raise RlstreamError(f"{where}: tensor {name} has unknown dtype {e['dtype']}")
-        dt, (b, end), shape = dtypes[e["dtype"]], e["data_offsets"], e["shape"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        raw = buf[8 + n + b : 8 + n + end]
-        if raw.numel() != end - b or end - b != numel * dt.itemsize:
-            raise RlstreamError(f"{where}: tensor {name} {shape} {e['dtype']} does not fit its offsets {b}..{end}")
-        if (8 + n + b) % dt.itemsize:
-            raw = raw.clone()  # a foreign writer's unaligned tensor: copy it rather than view it
-        out[name] = raw.view(dt).view(shape)
-    return out
+    return safetensors_io.write_file(fs, path, tensors, metadata)
 
 
 # ---- full weights ---------------------------------------------------------------------------------
@@ -331,18 +245,18 @@ def _read_shard(ref: ShardRef, keep: bool):
             m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         m.madvise(mmap.MADV_WILLNEED)  # read ahead from the disk while the first pages are hashed
         with memoryview(m) as mv:
-            for i in range(0, size, _CHUNK):
-                h.update(mv[i : i + _CHUNK])  # releases the GIL: shards hash in parallel threads
+            for i in range(0, size, CHUNK):
+                h.update(mv[i : i + CHUNK])  # releases the GIL: shards hash in parallel threads
         buf = torch.frombuffer(m, dtype=torch.uint8) if keep else None  # the tensor keeps the mapping alive
         if not keep:
             m.close()
     else:
-        buf = torch.empty(size if keep else min(size, _CHUNK), dtype=torch.uint8)
+        buf = torch.empty(size if keep else min(size, CHUNK), dtype=torch.uint8)
         mv, pos = memoryview(buf.numpy()), 0
         with fs.open(path, "rb") as f:
             while pos < size:
                 at = pos if keep else 0
-                got = f.readinto(mv[at : at + min(_CHUNK, size - pos)])
+                got = f.readinto(mv[at : at + min(CHUNK, size - pos)])
                 if not got:
                     raise ChecksumError(f"shard {ref.name} ({ref.uri}) ended after {pos} of {size} bytes")
                 h.update(mv[at : at + got])
@@ -385,7 +299,7 @@ def iter_weights(
     file) against ``sha256`` if given."""
     refs = checkpoint_files(uri, sha256)
     for ref, buf in _pipeline(refs, lambda r: _read_shard(r, keep=True), threads, ahead):
-        yield ref.name, _parse(buf, ref.uri)
+        yield ref.name, safetensors_io.parse(buf, ref.uri)
 
 
 def read_weights(uri: str, sha256: str | None = None, threads: int | None = None) -> dict:

@@ -1,7 +1,7 @@
 """One plug-in seam per kind: a ``Registry`` of names to lazily imported objects.
 
 Every kind of plug-in (rollout engines, train engines, reward functions, environments) has one
-registry in its package's face, e.g. ``producers.engines.ENGINES``. Built-ins are listed as
+registry in its package's face, e.g. ``libs.engines.ENGINES``. Built-ins are listed as
 ``"module:Attr"`` strings, so nothing heavy is imported until one is used (``rlstream --help``
 imports no torch). A user plug-in is named by its dotted path, ``my.module:MyEngine``, anywhere a
 built-in name is accepted, or registered by code with ``REGISTRY.register("name", obj)``.

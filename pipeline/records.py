@@ -43,6 +43,27 @@ def update_kind(update: dict) -> str:
     return update.get("kind") or "full"
 
 
+def update_format(update: dict) -> str:
+    """The weights' file format a WeightUpdate names (a v1 notice has none: one safetensors file)."""
+    return update.get("format") or "safetensors"
+
+
+def update_adapter(update: dict) -> dict:
+    """A LoRA WeightUpdate's adapter fields, normalized: ``rank`` (0 = not given), ``alpha`` (0.0 =
+    not given), ``target_modules`` (sorted; [] = not given) and ``base_sha256`` ('' = not given)."""
+    return {
+        "rank": int(update.get("adapter_rank") or 0),
+        "alpha": float(update.get("adapter_alpha") or 0.0),
+        "target_modules": sorted(update.get("adapter_target_modules") or []),
+        "base_sha256": update.get("base_sha256") or "",
+    }
+
+
+def adapter_fields(rank: int, alpha: float, target_modules) -> dict:
+    """The WeightUpdate fields that describe a LoRA adapter (the writer's side of ``update_adapter``)."""
+    return {"adapter_rank": int(rank), "adapter_alpha": float(alpha), "adapter_target_modules": sorted(target_modules)}
+
+
 def update_hf_dir(update: dict) -> str:
     """The HF model directory a WeightUpdate names in its metadata ('' when it names none)."""
     return (update.get("metadata") or {}).get(HF_DIR_KEY) or ""
@@ -162,3 +183,23 @@ def check_scored(rec: dict, vocab_size: int | None = None, max_len: int | None =
     if max_len is not None and len(prompt) + len(response) > max_len:
         raise InvalidRecord(f"{tid}: {len(prompt) + len(response)} tokens, more than the model's {max_len}", "too_long")
     return prompt, response, logprobs, mask
+
+
+# ---- the trainer's per-step staleness gauges (MetricEvent metrics) ----------------------------
+LAG_PREFIX = "version_lag_"
+"""A trainer step's MetricEvent counts its trained samples by version lag: ``version_lag_<d>``."""
+
+
+def lag_gauges(counts: dict[int, int]) -> dict[str, int]:
+    """The gauges of a step that trained ``counts[d]`` samples ``d`` versions behind."""
+    return {f"{LAG_PREFIX}{d}": n for d, n in counts.items()}
+
+
+def lag_counts(metrics: dict) -> dict[str, int]:
+    """lag (as the text after the prefix) -> samples, read back from a step's metrics."""
+    return {k.removeprefix(LAG_PREFIX): int(v) for k, v in metrics.items() if k.startswith(LAG_PREFIX)}
+
+
+def step_samples(metrics: dict) -> int:
+    """Samples a trainer step event's step trained: the sum of its ``version_lag_<d>`` counts."""
+    return sum(lag_counts(metrics).values())

@@ -33,12 +33,12 @@ import random
 import time
 import zlib
 
+from libs.datasets import dataset_hash, load_dataset
 from pipeline.control import ControlFollower, now_ms
 from pipeline.errors import ConfigError, DecodeError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.worker import Worker
-from producers.datasets import dataset_hash, load_dataset
 from producers.pacing import Pacer
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
+from libs.engines.hf import HFEngine
 from pipeline.models import load_tokenizer
 from producers.config import HFEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
-from producers.engines.hf import HFEngine
 
 log = logging.getLogger(__name__)
 

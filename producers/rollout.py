@@ -30,7 +30,7 @@ is empty, ``interrupt`` aborts in-flight requests and resumes them under the new
 Loaded version and latencies go to rl.metrics.
 
 The process lifecycle (signals, watchdog, bounded shutdown) is ``pipeline.worker``'s.
-What this is not: a reward or training component, nor an engine (``producers.engines``).
+What this is not: a reward or training component, nor an engine (``libs.engines``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from libs.chat import render, uses_template
+from libs.engines import EngineContext, GenOutput, build_engine
 from pipeline.control import now_ms
 from pipeline.errors import ConsumeError, DecodeError
 from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
@@ -48,8 +50,6 @@ from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from pipeline.records import InvalidRecord, check_prompt
 from pipeline.worker import Worker
-from producers.chat import render, uses_template
-from producers.engines import EngineContext, GenOutput, build_engine
 from producers.envs import EnvContext, env_factory
 from producers.holding import SampleHold, StaleRestarts
 from producers.ledger import OffsetLedger

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from libs.engines.base import GenOutput, GenRequest
 from pipeline import codec
 from pipeline.control import now_ms
 from pipeline.records import VERSIONS_KEY, format_version_marks
-from producers.engines.base import GenOutput, GenRequest
 from producers.envs import Environment, StepResult
 
 

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pipeline.control import ControlFollower, may_admit
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
-from pipeline.records import update_kind
+from pipeline.records import update_format, update_kind
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class WeightSync:
         upd = self.control.latest_update
         if upd is not None and upd["version"] > self.engine.version and not self.pending:
             check_loadable(upd, self.engine)
-            log.info("fetching weights %s", kv(version=upd["version"], uri=upd["uri"], format=upd.get("format")))
+            log.info("fetching weights %s", kv(version=upd["version"], uri=upd["uri"], format=update_format(upd)))
             self._fetch = (upd, self._loader.submit(self.engine.prepare_weights, upd), time.monotonic())
         if self._fetch is not None and self._fetch[1].done():
             upd, fut, t0 = self._fetch
@@ -117,14 +117,14 @@ class WeightSync:
 
 def check_loadable(update: dict, engine) -> None:
     """``WeightFormatError`` unless ``engine`` declares the update's format and kind."""
-    fmt = update.get("format") or "safetensors"
+    fmt = update_format(update)
     if fmt not in engine.weight_formats:
         raise WeightFormatError(
             f"weight update v{update['version']} has format {fmt!r}; the {engine.name} engine loads "
             f"{sorted(engine.weight_formats)}"
         )
     kind = update_kind(update)
-    kinds = getattr(engine, "weight_kinds", frozenset({"full"}))
+    kinds = engine.weight_kinds
     if kind not in kinds:
         raise WeightFormatError(
             f"weight update v{update['version']} is a {kind!r} update (trainer.lora publishes adapters); the "

@@ -11,7 +11,7 @@ resumes the other. Its methods are the commands a job is used with, reusing thei
   resumes the job.
 * ``status()``: the snapshot ``rlstream status --json`` prints (``rlstream.status``).
 * ``export(version, dest)``: ``rlstream export`` (``rlstream.export``), an HF model directory.
-* ``eval(version)``: ``rlstream eval --version N`` / ``--latest`` (``rlstream.eval``), once.
+* ``eval(version)``: ``rlstream eval --version N`` / ``--latest`` (``consumers.eval.worker``), once.
 
 Every method reaches Kafka the way ``rlstream run`` does (``rlstream.job.connected``): the
 configured cluster, else the local broker, started for the call and stopped after it unless it
@@ -146,7 +146,8 @@ class Job:
         """Write a published version (default: the newest still in the store) as a Hugging Face
         model directory, as ``rlstream export``; ``dest`` defaults to ``<run dir>/export/v<N>``.
         UnknownVersion (listing the versions there are) when it is not there."""
-        from rlstream.export import export, find_update
+        from pipeline.versions import find_update
+        from rlstream.export import export
 
         with self._kafka() as cfg:
             if dest is None:
@@ -160,8 +161,8 @@ class Job:
         held-out set (``eval.source``, or the job's ``dataset.held_out`` split), as ``rlstream eval
         --version N`` / ``--latest``: ``version``, ``eval_pass_at_1``, ``eval_reward_mean``, counts
         and ``answers_file``. It runs in this process (the model is loaded here)."""
+        from consumers.eval.worker import Evaluator
         from pipeline.errors import ConfigError
-        from rlstream.eval import Evaluator
 
         if self._config.eval.source is None:
             raise ConfigError(f"job {self.name} has no held-out set: set eval.source, or job.dataset.held_out > 0")

@@ -56,7 +56,7 @@ logger.state.level = WARN
 """
 
 
-def read_state(data_dir: Path) -> dict | None:
+def read_broker_state(data_dir: Path) -> dict | None:
     """The running broker's state file, or None if it is absent or its process is gone."""
     f = Path(data_dir) / "broker.json"
     try:
@@ -89,7 +89,7 @@ class LocalBroker(BrokerSecurity):
 
     # -- status ------------------------------------------------------------------------------
     def state(self) -> dict | None:
-        return read_state(self.data_dir)
+        return read_broker_state(self.data_dir)
 
     @property
     def bootstrap(self) -> str | None:

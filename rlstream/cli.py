@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from pipeline.errors import EXIT_CONFIG, ConfigError, RlstreamError
+from rlstream.cli_common import ConfigOpt, SetOpt, console, load, root, sigterm_unwinds, sources
+from rlstream.dev.commands import bench, chaos
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Asynchronous streaming RL post-training on Kafka.")
 broker_app = typer.Typer(no_args_is_help=True, help="The local Kafka broker (no Docker needed).")
@@ -28,50 +28,23 @@ app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
-console = Console(stderr=True)
 log = logging.getLogger(__name__)
 USER_ERRORS = (RlstreamError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
                PermissionError)  # fmt: skip
 """What a user's own mistake raises: said in one line (exit 2), never as a traceback."""
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.", show_default=False)]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).", show_default=False)
-]
-_root: dict = {}
-
 
 @app.callback()
 def main(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """rlstream: rollout producers, reward and trainer consumers, joined by Kafka topics."""
-    _root["config"], _root["set"] = config, list(set_ or [])
-
-
-def sources(config: Path | None = None, set_: list[str] | None = None) -> tuple[Path | None, list[str]]:
-    """The config file and ``--set`` items of the root options and of the command's own."""
-    return config or _root.get("config"), [*_root.get("set", []), *(set_ or [])]
-
-
-def load(config: Path | None = None, set_: list[str] | None = None, resolve: bool = True):
-    """Resolve the config, set up logging and (``resolve``) fix the Kafka bootstrap address; run by
-    hand, also check that a broker answers there (BrokerUnreachable, in one line, if none does)."""
-    from pipeline.log import setup_logging
-    from rlstream.config import load_config, require_broker, resolve_bootstrap
-
-    cfg = load_config(*sources(config, set_))
-    setup_logging(cfg.log_level)
-    if resolve:
-        resolve_bootstrap(cfg)
-        if not _root.get("supervised"):  # a supervised role retries for liveness.startup_timeout_s
-            require_broker(cfg)
-    return cfg
+    root["config"], root["set"] = config, list(set_ or [])
 
 
 def run_cli() -> None:
     """Console entry point: typed rlstream errors and user mistakes become one clear line, exit 2."""
     from pipeline.worker import die_with_parent
 
-    _root["supervised"] = die_with_parent()
+    root["supervised"] = die_with_parent()
     try:
         app()
     except USER_ERRORS as exc:
@@ -79,22 +52,12 @@ def run_cli() -> None:
 
         # the stack: at debug level on a terminal; in a supervised role's log file, for an OSError
         # (a path deep inside a role may be a bug, not the user's), at error level
-        supervised_oserror = _root.get("supervised") and not isinstance(exc, RlstreamError)
+        supervised_oserror = root.get("supervised") and not isinstance(exc, RlstreamError)
         log.log(logging.ERROR if supervised_oserror else logging.DEBUG, "the command failed", exc_info=True)
         name = type(exc).__name__
         text = str(exc) if isinstance(exc, RlstreamError) or not exc.filename else f"{exc.strerror}: {exc.filename}"
         console.print(f"[bold red]error:[/] {name}: {escape(text)}", highlight=False, soft_wrap=True)
-        sys.exit(EXIT_CONFIG if _root.get("supervised") and isinstance(exc, ConfigError) else 2)
-
-
-def _sigterm_unwinds() -> None:
-    """SIGTERM raises KeyboardInterrupt, so the command's ``finally`` blocks stop what it started
-    (its roles, its temporary broker) instead of dying and orphaning them."""
-
-    def on_term(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
+        sys.exit(EXIT_CONFIG if root.get("supervised") and isinstance(exc, ConfigError) else 2)
 
 
 # ---- broker ---------------------------------------------------------------------------------
@@ -316,7 +279,7 @@ def eval_(
     if latest and version is not None:
         raise typer.BadParameter("give --version N or --latest, not both")
     cfg = load(config, [*(set_ or []), *([f"eval.source={json.dumps(str(source))}"] if source else [])])
-    from rlstream.eval import run
+    from consumers.eval.worker import run
 
     results = run(cfg, version=version, latest=latest)
     if (latest or version is not None) and results:
@@ -336,7 +299,7 @@ def track(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Write the metrics topic as TensorBoard event files (tracking.dir, default <run_dir>/tensorboard)
     and to W&B when tracking.wandb_project is set; runs until SIGTERM."""
     cfg = load(config, set_)
-    from rlstream.tracking import TrackWorker
+    from consumers.tracking.worker import TrackWorker
 
     TrackWorker(cfg).run()
 
@@ -409,7 +372,7 @@ def demo(
     ``--config``/``--set`` layer over the demo's settings (a config can replace the task)."""
     from rlstream.demo import DemoOptions, run
 
-    _sigterm_unwinds()
+    sigterm_unwinds()
 
     opts = DemoOptions(
         steps=steps,
@@ -427,37 +390,6 @@ def demo(
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
-@app.command()
-def chaos(
-    size: str = typer.Option("tiny", "--size", help="tiny (CI, ~3-5 min) | full (the documented run, 20-40 min)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and the bad records."),
-    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/chaos-<id>)."),
-    bootstrap: str | None = typer.Option(None, "--bootstrap", help="Use this Kafka (then no broker restarts)."),
-    groups: int | None = typer.Option(None, "--groups", help="Groups fed (a multiple of G and 10)."),
-    duration: float | None = typer.Option(None, "--duration", help="Seconds of the chaos phase."),
-    kills: int | None = typer.Option(None, "--kills", help="kill -9s in all (trainer and feed ones included)."),
-    trainer_kills: int | None = typer.Option(None, "--trainer-kills"),
-    feed_kills: int | None = typer.Option(None, "--feed-kills"),
-    broker_restarts: int | None = typer.Option(None, "--broker-restarts"),
-    joins: int | None = typer.Option(None, "--joins", help="Join/leave cycles of a rollout and a reward worker."),
-    fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
-    drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
-    keep_data: bool = typer.Option(False, "--keep-data", help="Keep the broker's data in the run dir."),
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """A fault run: the real roles under kill -9, broker restarts, joins/leaves and bad records, then
-    drained and audited from the topics. Prints one verdict line; exit 0 on PASS."""
-    if size not in ("tiny", "full"):
-        raise typer.BadParameter("--size must be tiny or full")
-    from rlstream.chaos import ChaosOptions, run
-
-    _sigterm_unwinds()
-    opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
-                        broker_restarts, joins, fuzz, drain, keep_data=keep_data)  # fmt: skip
-    raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
-
-
 @app.command("run")
 def run_(
     job: Annotated[Path, typer.Argument(help="Job file: the config plus a \\[job] section (see examples/).")],
@@ -470,46 +402,15 @@ def run_(
     its run directory (config, logs, report, plots, TensorBoard). Run it again to resume it."""
     from rlstream.job import launch
 
-    _sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
+    sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
     path, sets = sources(job, set_)
     flags = [f"trainer.max_steps={steps}"] if steps else []
     report = launch(path, sets, flags=flags, keep_broker=keep_broker, live=False if no_live else None, console=console)
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 
 
-BENCHMARKS = ("async", "transport", "weights", "scaling", "ceiling", "learn", "trl")
-ALL = ("async", "transport", "weights", "scaling", "ceiling")  # learn and trl take hours at full size: by name
-
-
-@app.command()
-def bench(
-    names: Annotated[
-        list[str], typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all (all but learn and trl).")
-    ],
-    size: str = typer.Option("full", "--size", help="tiny (CI smoke test) | full (the documented run)."),
-    engine: str = typer.Option("sim,hf", "--engine", help="async: comma list of sim (load generator) and hf."),
-    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/bench-<id>)."),
-    docs: Path | None = typer.Option(None, "--docs", help="Update the generated tables of this markdown file."),
-    bootstrap: str | None = typer.Option(
-        None, "--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker)."
-    ),
-    profile: bool = typer.Option(False, "--profile", help="Record py-spy profiles of the worker processes."),
-    budget_s: float = typer.Option(0, "--budget-s", help="learn, trl: wall-clock budget of each run (0 = the size's)."),
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """Benchmarks (async vs sync, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl); results as JSON + PNG, tables for the docs."""
-    wanted = list(ALL) if "all" in names else names
-    unknown = sorted(set(wanted) - set(BENCHMARKS))
-    if unknown or size not in ("tiny", "full"):
-        raise typer.BadParameter(f"unknown benchmark(s) {unknown}" if unknown else "--size must be tiny or full")
-    from rlstream.bench.main import run
-
-    _sigterm_unwinds()
-    path, sets = sources(config, set_)
-    cfg = load(config, set_, resolve=False)
-    run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print,
-        extra={"budget_s": budget_s} if budget_s else None)  # fmt: skip
+app.command()(chaos)
+app.command()(bench)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from consumers.eval.worker import EvalConfig
 from consumers.reward.config import RewardConfig
+from consumers.tracking.worker import TrackingConfig
 from consumers.trainer.config import TrainerConfig
 from pipeline.config import (
     DEFAULT_HOME,
@@ -31,9 +33,7 @@ from pipeline.config import (
 from pipeline.kafka import DEFAULT_BOOTSTRAP, check_reachable, client_conf
 from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
-from rlstream.eval import EvalConfig
 from rlstream.lease import LeaseConfig
-from rlstream.tracking import TrackingConfig
 
 
 class BrokerConfig(StrictModel):
@@ -175,9 +175,9 @@ def resolve_bootstrap(cfg: Config) -> str:
     """Fix ``kafka.bootstrap_servers`` once, at start-up: the configured address, else the running
     local broker's recorded one, else the default (the docker-compose broker)."""
     if not cfg.kafka.bootstrap_servers:
-        from rlstream.broker import read_state
+        from rlstream.broker import read_broker_state
 
-        state = read_state(Path(cfg.broker.data_dir))
+        state = read_broker_state(Path(cfg.broker.data_dir))
         cfg.kafka.bootstrap_servers = (state or {}).get("bootstrap") or DEFAULT_BOOTSTRAP
     return cfg.kafka.bootstrap_servers
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from consumers.tracking.worker import Tracker
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.config import dump_toml
@@ -45,7 +46,6 @@ from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
 from rlstream.stall import StallWatch
 from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
-from rlstream.tracking import Tracker
 
 log = logging.getLogger(__name__)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}

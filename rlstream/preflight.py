@@ -53,7 +53,7 @@ def check(cfg, data: dict[Path, str] | None = None) -> None:
 # ---- datasets -------------------------------------------------------------------------------
 def datasets(cfg, data: dict[Path, str]) -> list[tuple[str, Path, list[dict]]]:
     """``(key, path, normalized records)`` of the training set and, with ``job.eval``, the eval set."""
-    from rlstream.eval import eval_feed
+    from consumers.eval.worker import eval_feed
 
     out = [("feed.source", cfg.feed.source, _records("feed.source", cfg.feed, data))]
     if cfg.job.eval and cfg.eval.source is not None:
@@ -62,7 +62,7 @@ def datasets(cfg, data: dict[Path, str]) -> list[tuple[str, Path, list[dict]]]:
 
 
 def _records(key: str, fc, data: dict[Path, str]) -> list[dict]:
-    from producers.datasets import normalize, read_raw
+    from libs.datasets import normalize, read_raw
 
     if fc.source is None:
         raise ConfigError(f'{key} is not set: give a dataset file ({key} = "train.jsonl") or a generated one '
@@ -90,7 +90,7 @@ def _records(key: str, fc, data: dict[Path, str]) -> list[dict]:
 # ---- rewards and environments ---------------------------------------------------------------
 def rewards(cfg, tasks: set[str]) -> None:
     """Every reward term builds as a reward worker builds it; every task of the data has a reward."""
-    from consumers.reward.base import build
+    from libs.rewards.base import build
 
     rc = cfg.reward
     ctx = {"sandbox": rc.sandbox, "import_dirs": rc.import_dirs}
@@ -160,9 +160,9 @@ def _load(what: str, fn, *args):
 
 
 def chat_template(cfg, tok, sets: list[tuple[str, Path, list[dict]]]) -> None:
-    """``rollout.chat_template`` against the datasets (semantics: ``producers.chat.uses_template``)."""
+    """``rollout.chat_template`` against the datasets (semantics: ``libs.chat.uses_template``)."""
+    from libs.chat import render, uses_template
     from pipeline.records import InvalidRecord
-    from producers.chat import render, uses_template
 
     rc = cfg.rollout
     mode = rc.chat_template

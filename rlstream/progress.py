@@ -7,10 +7,7 @@ the step log (null in report.json), left out of every mean and curve, never draw
 
 from __future__ import annotations
 
-
-def step_samples(metrics: dict) -> int:
-    """Samples a trainer step event's step trained: the sum of its ``version_lag_<d>`` counts."""
-    return int(sum(v for k, v in metrics.items() if k.startswith("version_lag_")))
+from pipeline.records import lag_counts, step_samples
 
 
 def mean_reward(steps: list[dict]) -> float | None:
@@ -55,9 +52,7 @@ class Progress:
                     "reward_mean": m["reward_mean"] if samples else None,  # all stale: no reward
                     "samples": samples,
                     "loss": m.get("loss"),
-                    "staleness": {
-                        k.removeprefix("version_lag_"): int(v) for k, v in m.items() if k.startswith("version_lag_")
-                    },
+                    "staleness": lag_counts(m),
                     "samples_per_s": samples / (t - prev_t) if prev_t and t > prev_t else 0.0,
                 }
             )

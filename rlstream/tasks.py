@@ -110,7 +110,7 @@ def reasoning_gym(
         import reasoning_gym as rg
     except ImportError as exc:
         raise ValueError("the reasoning_gym generator needs reasoning-gym: bash scripts/setup.sh --real-model") from exc
-    from consumers.reward.reasoning_gym import format_answer, instruction
+    from libs.rewards.reasoning_gym import format_answer, instruction
 
     config = dict(config or {})
     system = system_prompt if system_prompt is not None else instruction(answer_format)

@@ -69,13 +69,13 @@ def measure(cfg, model_dir: Path, lora: bool, versions: int) -> dict:
     from consumers.trainer.config import LoraConfig
     from consumers.trainer.engines import TrainContext, build_engine
     from consumers.trainer.publish import write_version
+    from libs.engines import EngineContext
+    from libs.engines.hf import HFEngine
     from pipeline.checkpoint import model_fingerprint
     from pipeline.control import publish_weight_update
     from pipeline.kafka import Producer, client_conf
     from pipeline.models import load_tokenizer
     from producers.config import HFEngineConfig
-    from producers.engines import EngineContext
-    from producers.engines.hf import HFEngine
     from producers.weights import WeightSync
 
     tc = cfg.trainer

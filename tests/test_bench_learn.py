@@ -1,7 +1,7 @@
 """`rlstream bench learn`'s analysis: time and samples to the target gain, the final and best
 pass@1, stale drops; a run that never reaches the target says so."""
 
-from rlstream.bench.learn import summarize, table
+from rlstream.dev.bench.learn import summarize, table
 
 
 def _curve(points):

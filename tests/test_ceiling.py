@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rlstream.bench.ceiling import Case, simulate
+from rlstream.dev.bench.ceiling import Case, simulate
 from tests.conftest import run_cli
 
 STEPS = 120

@@ -24,10 +24,10 @@ import pytest
 
 from pipeline import codec
 from pipeline.errors import DecodeError
-from rlstream import chaos_audit as ca
+from rlstream.dev import chaos_audit as ca
 from rlstream.broker import LocalBroker
 from rlstream.config import BrokerConfig
-from rlstream.fuzz import KINDS, SCHEMA_OF, RecordBuilder
+from rlstream.dev.fuzz import KINDS, SCHEMA_OF, RecordBuilder
 from rlstream.supervisor import RestartPolicy, Supervisor
 from tests.conftest import rlstream_cmd
 

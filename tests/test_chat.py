@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from libs.chat import render, uses_template
+from libs.datasets import normalize
 from pipeline.errors import ConfigError
 from pipeline.models import build_char_tokenizer
 from pipeline.records import InvalidRecord
-from producers.chat import render, uses_template
 from producers.config import FeedConfig
-from producers.datasets import normalize
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
 CHAT = [{"role": "user", "content": "2+2?"}]

@@ -93,8 +93,8 @@ def test_sharded_round_trip_in_hf_layout(tmp_path):
 def test_small_state_dicts_stay_one_file_and_old_notices_read(tmp_path):
     from safetensors.torch import save
 
-    from producers.engines.base import Engine
-    from producers.engines.sim import SimEngine
+    from libs.engines.base import Engine
+    from libs.engines.sim import SimEngine
     from producers.weights import check_loadable
 
     sd = state(2)
@@ -200,9 +200,9 @@ def logits(model):
 def test_publish_hf_directories_load_with_from_pretrained_and_in_the_hf_engine(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from libs.engines import EngineContext
+    from libs.engines import build_engine as build_rollout_engine
     from producers.config import HFEngineConfig
-    from producers.engines import EngineContext
-    from producers.engines import build_engine as build_rollout_engine
 
     cfg, d, eng = tiny_trainer("trainer.publish_hf=true", "trainer.shard_bytes=8192")
     upd = write_version(eng, eng.state_dict(), str(tmp_path / "store"), 1, 1, cfg.trainer, 4)

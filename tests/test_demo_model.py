@@ -11,9 +11,9 @@ import tomllib
 import pytest
 import yaml
 
+from libs.engines.vllm import CPU_HEAD_SIZES, check_cpu_head_size, head_size
 from pipeline.errors import ConfigError
 from pipeline.models import TinyModelConfig, materialize
-from producers.engines.vllm import CPU_HEAD_SIZES, check_cpu_head_size, head_size
 from rlstream.demo import DEMO_MODEL, demo_settings
 from tests.infra_tools import REPO
 

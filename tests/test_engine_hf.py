@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
+from libs.engines.hf import HFEngine
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from producers.config import HFEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
-from producers.engines.hf import HFEngine
 from tests.rollout_helpers import forcing_state_dict
 
 

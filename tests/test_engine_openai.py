@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
+from libs.engines.openai import EngineHTTPError, OpenAIEngine
 from pipeline.checkpoint import write_weights
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from producers.config import OpenAIEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
-from producers.engines.openai import EngineHTTPError, OpenAIEngine
 from producers.openai_server import CompletionServer
 from tests.rollout_helpers import forcing_state_dict
 from tests.test_engine_hf import reqs, teacher_forced_logprobs

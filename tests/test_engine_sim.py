@@ -3,10 +3,10 @@ an interrupted sample resumes to the same total length."""
 
 import time
 
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
+from libs.engines.sim import SimEngine, expected_length, sample_length
 from producers.config import SimEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
-from producers.engines.sim import SimEngine, expected_length, sample_length
 
 
 class Tok:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
 from pipeline.checkpoint import write_weights
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from producers.config import VLLMEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
 from rlstream.demo import DEMO_MODEL
 from tests.conftest import rlstream_cmd
 from tests.rollout_helpers import forcing_state_dict, read_topic
@@ -31,7 +31,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine():
-    from producers.engines.vllm import VLLMEngine
+    from libs.engines.vllm import VLLMEngine
 
     d = materialize(TinyModelConfig())
     tok = load_tokenizer(d)

@@ -32,7 +32,7 @@ def evaluating(ev):
 
 
 def test_eval_scores_version_zero_and_every_published_version(make_config, tmp_path):
-    from rlstream.eval import Evaluator
+    from consumers.eval.worker import Evaluator
     from tests.rollout_helpers import forcing_state_dict, publish_version, read_topic
     from tests.test_rollout import base_state, wait_for
 
@@ -79,7 +79,7 @@ def test_the_final_version_is_evaluated_whatever_every_versions_says(make_config
     last, not a multiple of 5) is evaluated, and its event says it is the final one."""
     import time
 
-    from rlstream.eval import Evaluator
+    from consumers.eval.worker import Evaluator
     from tests.rollout_helpers import publish_version, read_topic
     from tests.test_rollout import wait_for
 

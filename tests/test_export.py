@@ -18,9 +18,9 @@ pytestmark = pytest.mark.kafka
 def test_exported_directory_loads_and_reproduces_the_engines_logprobs(make_config, cli_env, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from libs.engines import EngineContext, build_engine
     from pipeline.models import load_model, load_tokenizer, materialize
     from producers.config import HFEngineConfig
-    from producers.engines import EngineContext, build_engine
     from tests.rollout_helpers import publish_version
 
     cfg = make_config()

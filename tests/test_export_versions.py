@@ -25,7 +25,7 @@ def announced(tmp_path, monkeypatch):
 
 
 def test_the_newest_version_in_the_store_is_the_default_and_a_listed_one_is_found(announced):
-    from rlstream.export import find_update
+    from pipeline.versions import find_update
 
     assert find_update(announced, None)["version"] == 5
     assert find_update(announced, 4)["version"] == 4
@@ -44,7 +44,7 @@ def test_the_newest_version_in_the_store_is_the_default_and_a_listed_one_is_foun
 )  # fmt: skip
 def test_a_version_that_is_not_there_is_one_line_listing_those_that_are(announced, version, base, said):
     from pipeline.errors import UnknownVersion
-    from rlstream.export import find_update
+    from pipeline.versions import find_update
 
     with pytest.raises(UnknownVersion) as exc:
         find_update(announced, version, base=base)
@@ -54,8 +54,8 @@ def test_a_version_that_is_not_there_is_one_line_listing_those_that_are(announce
 def test_nothing_published_yet(tmp_path, monkeypatch):
     import rlstream.export
     from pipeline.errors import UnknownVersion
+    from pipeline.versions import find_update
     from rlstream.config import load_config
-    from rlstream.export import find_update
 
     monkeypatch.setattr(rlstream.export, "published", lambda cfg: {})
     cfg = load_config(None, [], environ={})

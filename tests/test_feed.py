@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from libs.datasets import load_dataset
 from pipeline.errors import ConfigError
 from producers import feed
-from producers.datasets import load_dataset
 from producers.feed import split_group
 from tests.conftest import rlstream_cmd, run_cli
 from tests.rollout_helpers import end_offsets, read_topic

@@ -46,10 +46,10 @@ def cfg_of(*sets):
 
 
 def test_hf_engine_generates_on_cuda_with_exact_logprobs():
+    from libs.engines import EngineContext
+    from libs.engines.base import GenRequest
+    from libs.engines.hf import HFEngine
     from producers.config import HFEngineConfig
-    from producers.engines import EngineContext
-    from producers.engines.base import GenRequest
-    from producers.engines.hf import HFEngine
 
     d = materialize(TinyModelConfig())
     tok = load_tokenizer(d)
@@ -117,10 +117,10 @@ def test_deepspeed_zero2_on_one_gpu_matches_the_torch_engine():
 def test_lora_trains_on_cuda_and_the_hf_engine_applies_the_adapter(tmp_path):
     pytest.importorskip("peft")
     from consumers.trainer.publish import write_version
+    from libs.engines import EngineContext
+    from libs.engines.hf import HFEngine
     from pipeline.checkpoint import model_fingerprint
     from producers.config import HFEngineConfig
-    from producers.engines import EngineContext
-    from producers.engines.hf import HFEngine
 
     cfg = cfg_of(*BIGGER, "trainer.lr=0.01", "trainer.micro_batch_size=8", "trainer.engine.device=cuda",
                  "trainer.engine.dtype=bfloat16", "trainer.lora.rank=16")  # fmt: skip

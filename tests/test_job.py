@@ -76,7 +76,7 @@ def _steps(run_dir: Path) -> list[dict]:
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_a_killed_job_resumes_with_nothing_lost_or_trained_twice(cli_env, tmp_path):
-    from rlstream import chaos_audit
+    from rlstream.dev import chaos_audit
     from rlstream.job import resolve
 
     # The feed's rate (16 groups/s, 2 steps/s) keeps the first run from finishing before the kill:

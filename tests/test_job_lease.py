@@ -65,7 +65,7 @@ def job_config(cli_env, steps: int):
 
 def assert_clean_audit(cfg, run_dir: Path, steps: int) -> None:
     from consumers.trainer.state import read_steps_log
-    from rlstream import chaos_audit
+    from rlstream.dev import chaos_audit
 
     topics = {r: cfg.topics.name(r) for r in ("prompts", "rollouts", "scored")}
     a = chaos_audit.audit(chaos_audit.read_topics(cfg), read_steps_log(run_dir / "trainer"), [], topics=topics,
@@ -135,7 +135,7 @@ def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unha
     assert mine[0] == "claim" and set(mine[1:-1]) == {"held"} and mine[-1] == "released", mine
     assert list(leases.values()) == [["claim", "refused"]]  # the launch from elsewhere; the other never got there
     assert_clean_audit(cfg, run_dir, steps)
-    from rlstream import chaos_audit
+    from rlstream.dev import chaos_audit
 
     prompts = chaos_audit.read_topics(cfg)["prompts"]
     assert len(prompts) == steps * GROUPS_PER_STEP  # no second feed ran: no prompt fed twice

@@ -1,7 +1,10 @@
 """The layering of docs/architecture.md, checked on every import statement of the package code
-(module level and inside functions): schemas -> core (pipeline) -> roles (producers,
-consumers.reward, consumers.trainer) -> application (rlstream). Nothing imports upward, roles never
-import each other, only the Kafka wrapper touches confluent-kafka, and nobody edits sys.path."""
+(module level and inside functions): schemas -> core (pipeline) -> libraries (libs: generation
+engines, datasets, reward functions) -> roles (producers, consumers.reward, consumers.trainer,
+consumers.eval, consumers.tracking) -> application (rlstream) -> dev tools (rlstream.dev). Nothing
+imports upward (the command line alone offers the dev tools' commands), roles never import each
+other, only the Kafka wrapper touches confluent-kafka, nobody edits sys.path, and no modules import
+each other in a circle."""
 
 import ast
 from pathlib import Path
@@ -9,16 +12,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+CORE = {"schemas", "pipeline"}
+LIBS = CORE | {"libs"}
+ROLES = ("producers", "consumers.reward", "consumers.trainer", "consumers.eval", "consumers.tracking")
+APP = LIBS | set(ROLES) | {"rlstream"}
 LAYERS = {  # package -> our packages it may import
     "schemas": {"schemas"},
-    "pipeline": {"schemas", "pipeline"},
-    "producers": {"schemas", "pipeline", "producers"},
+    "pipeline": CORE,
+    "libs": LIBS,
+    **{role: LIBS | {role} for role in ROLES},
     "consumers": set(),  # consumers/__init__.py: a namespace only
-    "consumers.reward": {"schemas", "pipeline", "consumers.reward"},
-    "consumers.trainer": {"schemas", "pipeline", "consumers.trainer"},
-    "rlstream": {"schemas", "pipeline", "producers", "consumers.reward", "consumers.trainer", "rlstream"},
+    "rlstream": APP,
+    "rlstream.dev": APP | {"rlstream.dev"},
 }
-OURS = ("schemas", "pipeline", "producers", "consumers", "rlstream", "bench", "tests")
+ENTRY_POINTS = {"rlstream/cli.py": {"rlstream.dev"}}
+"""The command line offers the dev tools' commands (``rlstream chaos``, ``rlstream bench``)."""
+OURS = ("schemas", "pipeline", "libs", "producers", "consumers", "rlstream", "bench", "tests")
 KAFKA_WRAPPER = {
     "pipeline/kafka/__init__.py",
     "pipeline/kafka/common.py",
@@ -26,7 +35,7 @@ KAFKA_WRAPPER = {
     "pipeline/kafka/consumer.py",
     "pipeline/admin.py",
 }
-RAW_BASELINES = {"rlstream/bench/raw_kafka.py", "rlstream/bench/transport.py"}
+RAW_BASELINES = {"rlstream/dev/bench/raw_kafka.py", "rlstream/dev/bench/transport.py"}
 """Benchmarks whose point is to measure raw confluent-kafka next to rlstream's wrapper."""
 
 
@@ -34,12 +43,14 @@ def package_of(rel: str) -> str:
     parts = Path(rel).with_suffix("").parts
     if parts[0] == "consumers":
         return "consumers" if parts[1] == "__init__" else ".".join(parts[:2])
+    if parts[:2] == ("rlstream", "dev"):
+        return "rlstream.dev"
     return parts[0]
 
 
 def modules() -> list[Path]:
     out = []
-    for top in ("schemas", "pipeline", "producers", "consumers", "rlstream"):
+    for top in ("schemas", "pipeline", "libs", "producers", "consumers", "rlstream"):
         out += sorted((REPO / top).rglob("*.py"))
     return out
 
@@ -61,6 +72,8 @@ def owner(module: str) -> str | None:
         return None
     if module.startswith("consumers."):
         return ".".join(module.split(".")[:2])
+    if module == "rlstream.dev" or module.startswith("rlstream.dev."):
+        return "rlstream.dev"
     return module.split(".")[0]
 
 
@@ -68,12 +81,17 @@ def test_every_import_reads_bottom_up():
     bad = []
     for path in modules():
         rel = str(path.relative_to(REPO))
-        allowed = LAYERS[package_of(rel)]
+        allowed = LAYERS[package_of(rel)] | ENTRY_POINTS.get(rel, set())
         for line, mod in imports(path):
             pkg = owner(mod)
             if pkg is not None and pkg not in allowed:
                 bad.append(f"{rel}:{line} imports {mod} ({package_of(rel)} may import {sorted(allowed)})")
     assert not bad, "\n".join(bad)
+
+
+def test_every_package_has_a_layer():
+    """A new top-level package or role must be placed in the table, not slip past it."""
+    assert {package_of(str(p.relative_to(REPO))) for p in modules()} <= set(LAYERS)
 
 
 def test_only_the_kafka_wrapper_uses_the_raw_client():

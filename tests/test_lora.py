@@ -16,10 +16,10 @@ from consumers.trainer.engines import TrainContext, build_engine  # noqa: E402
 from consumers.trainer.losses import LossFn  # noqa: E402
 from consumers.trainer.publish import write_version  # noqa: E402
 from consumers.trainer.step import train_samples  # noqa: E402
+from libs.engines import EngineContext  # noqa: E402
+from libs.engines.adapters import BaseModelMismatch, BaseWeights, merged_weights, prepare_adapter  # noqa: E402
 from pipeline.checkpoint import ChecksumError, model_fingerprint, read_adapter  # noqa: E402
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize  # noqa: E402
-from producers.engines import EngineContext  # noqa: E402
-from producers.engines.adapters import BaseModelMismatch, BaseWeights, merged_weights, prepare_adapter  # noqa: E402
 from rlstream.config import load_config  # noqa: E402
 from tests.test_deepspeed import TINY, assert_close, make_samples  # noqa: E402
 
@@ -83,9 +83,9 @@ def test_engine_checkpoint_holds_adapters_and_optimizer_and_resumes_exactly(tmp_
 
 
 def test_hf_engine_applies_the_adapter_through_peft_and_the_merge_agrees(tmp_path):
+    from libs.engines.base import GenRequest
+    from libs.engines.hf import HFEngine
     from producers.config import HFEngineConfig
-    from producers.engines.base import GenRequest
-    from producers.engines.hf import HFEngine
 
     _, d, eng, upd = trained(tmp_path)
     tok = load_tokenizer(d)
@@ -113,9 +113,9 @@ def test_hf_engine_applies_the_adapter_through_peft_and_the_merge_agrees(tmp_pat
 
 
 def test_adapters_for_another_base_or_an_engine_without_them_are_refused(tmp_path):
+    from libs.engines.sim import SimEngine
     from pipeline.errors import RlstreamError
     from producers.config import SimEngineConfig
-    from producers.engines.sim import SimEngine
     from producers.weights import WeightFormatError, check_loadable
 
     _, d, _, upd = trained(tmp_path, steps=1)

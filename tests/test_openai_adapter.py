@@ -11,13 +11,13 @@ from consumers.trainer.engines import TrainContext, build_engine
 from consumers.trainer.losses import LossFn
 from consumers.trainer.publish import write_version
 from consumers.trainer.step import train_samples
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
+from libs.engines.hf import HFEngine
+from libs.engines.openai import OpenAIEngine, reload_body
 from pipeline.checkpoint import model_fingerprint
 from pipeline.models import load_tokenizer, materialize
 from producers.config import HFEngineConfig, OpenAIEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
-from producers.engines.hf import HFEngine
-from producers.engines.openai import OpenAIEngine, reload_body
 from producers.openai_server import CompletionServer
 from rlstream.config import load_config
 from tests.test_deepspeed import TINY, make_samples

@@ -114,7 +114,7 @@ def test_reasoning_gym_records_hold_out_another_seed_and_never_train_on_a_held_o
 
 
 def _score(text: str, ref: dict):
-    from consumers.reward.reasoning_gym import reasoning_gym_reward
+    from libs.rewards.reasoning_gym import reasoning_gym_reward
 
     return reasoning_gym_reward()({"response_text": text, "reference": json.dumps(ref)})
 
@@ -138,7 +138,7 @@ def test_the_reasoning_gym_reward_uses_the_datasets_scorer_and_cannot_be_gamed()
     for text, why in hedges.items():
         res = _score(text, ref)
         assert res.reward == 0.0 and res.details[why] == 1.0, text
-    from consumers.reward.base import RewardError
+    from libs.rewards.base import RewardError
 
     with pytest.raises(RewardError, match="reasoning_gym"):
         _score("\\boxed{1}", {"answer": "1"})
@@ -173,7 +173,7 @@ def _kill9_after_first_step(cmd: list[str], env: dict, run_dir: Path, log: Path,
 @pytest.mark.slow
 def test_the_real_recipe_resumes_after_kill_9_with_nothing_lost_or_trained_twice(cli_env, tmp_path):
     pytest.importorskip("reasoning_gym")
-    from rlstream import chaos_audit
+    from rlstream.dev import chaos_audit
     from rlstream.job import resolve
 
     small = ["rl.group_size=4", "rl.groups_per_step=2", "rollout.max_new_tokens=8", "rollout.max_inflight=8",

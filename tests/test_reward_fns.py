@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from consumers.reward.base import RewardResult
+from libs.rewards.base import RewardResult
 
 
 def length_ratio(traj: dict, target: int = 10) -> float:

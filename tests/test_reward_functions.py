@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from consumers.reward.base import (
+from consumers.reward.config import RewardConfig
+from libs.rewards.base import (
     RewardError,
     RewardResult,
     TaskRouter,
@@ -21,9 +22,8 @@ from consumers.reward.base import (
     register,
     registered,
 )
-from consumers.reward.builtin import last_boxed
-from consumers.reward.config import RewardConfig
-from consumers.reward.pool import ProcessPool, ThreadPool
+from libs.rewards.builtin import last_boxed
+from libs.rewards.pool import ProcessPool, ThreadPool
 from pipeline.errors import ConfigError
 from rlstream.config import load_config
 

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from consumers.reward.base import RewardError, RewardResult, build
+from libs.rewards.base import RewardError, RewardResult, build
 
 
 class Stub:

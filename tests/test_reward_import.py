@@ -47,7 +47,7 @@ def job_elsewhere(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_a_hand_started_reward_role_imports_the_module_beside_the_job_file(job_elsewhere, tmp_path, executor):
-    from consumers.reward.pool import make_pool
+    from libs.rewards.pool import make_pool
     from pipeline.config import dump_toml
     from rlstream.config import load_config, record_job_dir
     from rlstream.job import resolve
@@ -73,7 +73,7 @@ def test_a_hand_started_reward_role_imports_the_module_beside_the_job_file(job_e
 
 
 def test_without_the_job_dir_the_module_is_not_found_and_says_where_it_looked(job_elsewhere, tmp_path):
-    from consumers.reward.base import TaskRouter
+    from libs.rewards.base import TaskRouter
     from pipeline.errors import ConfigError
     from rlstream.job import resolve
 

@@ -57,7 +57,7 @@ def test_the_report_leaves_all_stale_steps_out_of_its_means(tmp_path):
 
 
 def test_the_eval_role_evaluates_the_final_version_whatever_every_versions_says():
-    from rlstream.eval import due, is_final
+    from consumers.eval.worker import due, is_final
 
     assert due(None, 0, 5, False)  # the first version seen
     assert not due(0, 4, 5, False) and due(0, 5, 5, False)  # every 5 versions

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from consumers.reward.base import build
-from consumers.reward.code import extract_code
-from consumers.reward.sandbox import SandboxLimits, capabilities, processes_of, run_python, sandbox_uid
+from libs.rewards.base import build
+from libs.rewards.code import extract_code
+from libs.rewards.sandbox import SandboxLimits, capabilities, processes_of, run_python, sandbox_uid
 from pipeline.kafka import wait_for
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=64 * 1024)
@@ -149,7 +149,7 @@ def test_no_network_and_a_private_temp_dir():
 def test_setup_failure_is_an_error_not_a_zero():
     lim = SandboxLimits(python="/nonexistent/python3", wall_s=3.0)
     assert run_python("print(1)", "", lim).status == "setup_error"
-    from consumers.reward.base import RewardError
+    from libs.rewards.base import RewardError
 
     with pytest.raises(RewardError, match="sandbox setup failed"):
         build("code", {"python": "/nonexistent/python3"})(code_traj(SQUARE))

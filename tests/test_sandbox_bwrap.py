@@ -16,10 +16,10 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
-from consumers.reward import sandbox
-from consumers.reward.base import RewardError, build
-from consumers.reward.config import SandboxConfig
-from consumers.reward.sandbox import SandboxLimits, processes_of, run_python, sandbox_uid
+from libs.rewards import cgroups, sandbox
+from libs.rewards.base import RewardError, build
+from libs.rewards.config import SandboxConfig
+from libs.rewards.sandbox import SandboxLimits, processes_of, run_python, sandbox_uid
 
 LIMITS = {"wall_s": 10.0, "cpu_s": 2, "memory_mb": 256, "max_processes": 8, "max_output_bytes": 64 * 1024}
 BW = SandboxLimits.from_config(isolation="bwrap", **LIMITS)
@@ -179,7 +179,7 @@ def test_memory_hog_and_infinite_loop_are_contained_and_score_zero():
 
 def test_without_bwrap_the_fallback_is_loud_or_refused(caplog):
     missing = "/nonexistent/bwrap-" + uuid.uuid4().hex[:8]
-    caplog.set_level(logging.WARNING, logger="consumers.reward.sandbox")
+    caplog.set_level(logging.WARNING, logger="libs.rewards.sandbox")
     res = run("print('ran')", SandboxLimits.from_config(bwrap=missing, **LIMITS))
     assert res.status == "ok" and res.stdout == "ran\n"
     assert res.isolation["sandbox"] == "namespaces" and missing in res.isolation["fallback"]
@@ -200,7 +200,7 @@ def test_sandbox_config_fields_are_validated():
 
 
 def test_cgroup_limits_when_delegated():
-    parent = sandbox._cgroup_parent(None)
+    parent = cgroups.cgroup_parent(None)
     if parent is None:
         pytest.skip("no writable cgroup v2 with memory+pids delegated to this process (limits off, logged)")
     res = run("print('ok')")

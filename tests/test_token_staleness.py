@@ -203,7 +203,7 @@ def test_packed_masked_samples_equal_padded_ones(loss):
 
 # ---- the audit --------------------------------------------------------------------------------
 def _audit(rows, steps, k=1):
-    from rlstream.chaos_audit import audit
+    from rlstream.dev.chaos_audit import audit
 
     data = {"prompts": [], "rollouts": [], "dlq": [], "scored": rows}
     topics = {"prompts": "p", "rollouts": "r", "scored": "s"}
@@ -245,7 +245,7 @@ def test_trainer_masks_old_tokens_and_the_audit_agrees(make_config):
     no violation."""
     from consumers.trainer.state import read_steps_log
     from consumers.trainer.worker import Trainer
-    from rlstream.chaos_audit import audit, read_topics
+    from rlstream.dev.chaos_audit import audit, read_topics
     from tests.test_trainer import TINY, ScoredProducer
 
     cfg = make_config(*TINY, "rl.group_size=2", "rl.groups_per_step=1", "rl.max_staleness=1",

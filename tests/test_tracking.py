@@ -24,7 +24,7 @@ def event(role, worker, version, ts, **metrics):
 def test_tracker_writes_steps_staleness_eval_and_roles(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rlstream.tracking import Tracker, TrackingConfig
+    from consumers.tracking.worker import Tracker, TrackingConfig
 
     tr = Tracker(TrackingConfig(), tmp_path)
     t0 = 1_764_000_000_000
@@ -60,9 +60,9 @@ def test_tracker_writes_steps_staleness_eval_and_roles(tmp_path):
 
 @pytest.mark.kafka
 def test_rlstream_track_follows_the_metrics_topic(make_config):
+    from consumers.tracking.worker import TrackWorker
     from pipeline.kafka import Producer, client_conf
     from pipeline.metrics import WorkerMetrics
-    from rlstream.tracking import TrackWorker
     from tests.test_rollout import wait_for
 
     cfg = make_config()

@@ -184,7 +184,7 @@ def test_overlong_filter_keeps_truncated_samples_in_the_baseline_only():
 
 
 def test_overlong_penalty_reward_hand_computed():
-    from consumers.reward.base import build
+    from libs.rewards.base import build
     from pipeline import codec
 
     score = build("overlong_penalty", {"max_tokens": 20, "cache_tokens": 5})

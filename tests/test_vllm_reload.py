@@ -31,15 +31,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from libs.engines import EngineContext
+from libs.engines.base import GenRequest
+from libs.engines.openai import EngineHTTPError, OpenAIEngine
+from libs.engines.vllm_server import NoHFDirectory, ServerVersionMismatch, version_tag
 from pipeline.checkpoint import ChecksumError, version_dir, weights_format, write_hf_files, write_weights
 from pipeline.errors import RlstreamError
 from pipeline.models import TinyModelConfig, load_model, load_tokenizer, materialize
 from pipeline.records import HF_DIR_KEY
 from producers.config import OpenAIEngineConfig
-from producers.engines import EngineContext
-from producers.engines.base import GenRequest
-from producers.engines.openai import EngineHTTPError, OpenAIEngine
-from producers.engines.vllm_server import NoHFDirectory, ServerVersionMismatch, version_tag
 from tests.test_engine_hf import reqs, teacher_forced_logprobs
 
 CACHE = Path(os.environ.get("RLSTREAM_CACHE", Path.home() / ".cache" / "rlstream"))
@@ -276,9 +276,9 @@ def test_vllm_lora_adapter_through_load_lora_adapter(vllm_server):
     from consumers.trainer.losses import LossFn
     from consumers.trainer.publish import write_version
     from consumers.trainer.step import train_samples
+    from libs.engines.hf import HFEngine
     from pipeline.checkpoint import model_fingerprint
     from producers.config import HFEngineConfig
-    from producers.engines.hf import HFEngine
     from rlstream.config import load_config
     from tests.test_deepspeed import make_samples
 

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from consumers.reward.metrics import RewardMetrics
-from consumers.reward.pool import make_pool
+from libs.rewards.pool import make_pool
 from pipeline.control import now_ms
 from pipeline.errors import DecodeError, DeliveryError, KafkaClientError
 from pipeline.kafka import Consumer, Producer, WedgedClient, client_conf, decode_message, next_offsets

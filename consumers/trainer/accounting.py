@@ -15,6 +15,7 @@ import logging
 import time
 
 from pipeline.log import kv
+from pipeline.records import LAG_PREFIX, lag_gauges
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def account_step(
         m.inc("samples_token_masked", len(masked))
         m.inc("tokens_stale_masked", sum(c["masked"] for c in masked.values()))
     lags = plan.version_lag_counts()
-    for name in [n for n in m.gauges if n.startswith("version_lag_")]:
+    for name in [n for n in m.gauges if n.startswith(LAG_PREFIX)]:
         del m.gauges[name]
     rewards = [s.reward for s in plan.train]
     sampled = [s.reward for s in [*plan.train, *plan.overlong]] + [s.reward for g in filtered for s in g.samples]
@@ -62,7 +63,7 @@ def account_step(
         "step_time_s": step_s,
         "samples_per_s": len(plan.train) / step_s if step_s > 0 else 0.0,
         **{f"loss_{k}": v for k, v in result["stats"].items()},
-        **{f"version_lag_{d}": n for d, n in lags.items()},
+        **lag_gauges(lags),
     }
     for name, value in gauges.items():
         m.set(name, value)

@@ -53,7 +53,7 @@ class DeepSpeedEngineConfig(StrictModel):
 class SimEngineConfig(StrictModel):
     """A load generator, NOT a trainer: sleeps ``token_cost_s`` per token of the step's samples and
     leaves the weights unchanged. The rest of the trainer (Kafka, staleness gate, checkpoints,
-    WeightUpdates) is real; benchmarks use it to measure the pipeline's scheduling (rlstream/bench/async_sync.py)."""
+    WeightUpdates) is real; benchmarks use it to measure the pipeline's scheduling (rlstream/dev/bench/async_sync.py)."""
 
     type: Literal["sim"] = "sim"
     token_cost_s: float = Field(1e-4, ge=0, le=1.0)

@@ -22,7 +22,7 @@ from pathlib import Path
 from pipeline.checkpoint import FORMAT, version_dir, weights_format, write_adapter, write_hf_files, write_weights
 from pipeline.control import now_ms
 from pipeline.errors import RlstreamError
-from pipeline.records import HF_DIR_KEY
+from pipeline.records import HF_DIR_KEY, adapter_fields
 
 """``WeightUpdate.metadata`` key naming the version's HF model directory (``trainer.publish_hf``)."""
 
@@ -67,12 +67,7 @@ def write_version(
     if engine.weights_kind == "adapter":
         conf = engine.adapter_config()
         uri, sha, nbytes = write_adapter(store, version, state_dict, conf)
-        update.update(
-            adapter_rank=int(conf["r"]),
-            adapter_alpha=float(conf["lora_alpha"]),
-            adapter_target_modules=sorted(conf["target_modules"]),
-            base_sha256=base_sha256,
-        )
+        update.update(adapter_fields(conf["r"], conf["lora_alpha"], conf["target_modules"]), base_sha256=base_sha256)
     else:
         if trainer_cfg.publish_hf:  # before the weights: the weights complete the directory
             vdir = version_dir(store, version)

@@ -350,7 +350,7 @@ class Trainer(Worker):
             t0 = time.monotonic()
             update = write_version(
                 self.engine, sd, self.cfg.store, self.version, self.step, self.tc, self.consumed, self._base_sha,
-                write_full=write_weights,  # looked up here, so rlstream.bench.trainer_steps can time it
+                write_full=write_weights,  # looked up here, so rlstream.dev.bench.trainer_steps can time it
             )  # fmt: skip
             self.metrics.set("weights_write_ms", (time.monotonic() - t0) * 1e3)
         del sd

@@ -3,7 +3,7 @@ HF model with PEFT adapters (the base frozen), name what to publish (the adapter
 PEFT's saved names) and its ``adapter_config.json`` content, and the trainable-only state an
 engine checkpoint needs (the frozen base is the version-0 model, rebuilt from ``cfg.model``).
 
-Not the rollout side (``producers.engines.adapters``) nor the file layout
+Not the rollout side (``libs.engines.adapters``) nor the file layout
 (``pipeline.checkpoint.write_adapter``). peft is imported only here, only when LoRA is on.
 """
 

@@ -1,0 +1,249 @@
+"""``rlstream eval``: evaluation while training, without pausing it.
+
+A process of its own (a ``pipeline.worker.Worker``) that follows rl.control and, for version 0,
+then every ``eval.every_versions`` published versions, and always the run's final version (the
+notice whose ``step`` reaches ``trainer.max_steps``), loads those weights into its own rollout
+engine, generates ``eval.samples`` answers for each prompt of a held-out dataset, scores them with
+the reward workers' functions (``reward.tasks``/``reward.default``, in the same timed pool), and
+publishes one MetricEvent (role ``eval``, its ``version``) with ``eval_reward_mean``,
+``eval_pass_at_1`` (the share of answers whose reward reaches ``eval.pass_threshold``) and counts.
+The launcher's live view, ``rlstream status``, the run report and its plots show the curve. The
+final version's event also carries ``eval_final = 1``: the launcher waits for it before it stops a
+job whose trainer has finished.
+
+``rlstream eval --version N`` / ``--latest`` (``Evaluator(cfg, version=N)`` / ``latest=True``)
+evaluates that one version once, publishes nothing, writes its answers to
+``<run_dir>/eval/v<N>.jsonl`` and returns the figures.
+
+It lives in the application layer because it composes two roles' libraries (a rollout engine and
+reward functions); it writes nothing but metrics. It is not a benchmark harness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from pipeline.config import StrictModel
+from pipeline.control import ControlFollower, now_ms
+from pipeline.errors import ConfigError
+from pipeline.kafka import Producer, client_conf
+from pipeline.log import kv
+from pipeline.metrics import WorkerMetrics
+from pipeline.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class EvalConfig(StrictModel):
+    source: Path | None = None
+    """Held-out dataset (the feed's formats and field names); required to run ``rlstream eval``."""
+    every_versions: int = Field(1, ge=1, le=1_000_000)
+    """Evaluate version 0, then each published version that is at least this many past the last one."""
+    samples: int = Field(1, ge=1, le=1024)
+    """Answers per prompt; pass@1 is the share of all answers that pass."""
+    max_prompts: int = Field(0, ge=0)
+    """Use the first this many prompts of the dataset (0 = all)."""
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    """Sampling temperature of the eval answers (0 = greedy)."""
+    max_new_tokens: int = Field(0, ge=0, le=1_000_000)
+    """Answer budget; 0 = rollout.max_new_tokens."""
+    pass_threshold: float = 1.0
+    """An answer passes when its reward is at least this."""
+    worker_id: str = Field("eval", pattern=r"^[A-Za-z0-9._-]+$")
+    """Id in metrics and client ids."""
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus /metrics on this port; 0 = off."""
+    heartbeat_s: float = Field(10.0, gt=0, le=3600)
+    """How often the evaluator publishes its gauges while waiting or generating (a sign of life)."""
+
+
+def eval_feed(cfg):
+    """How ``eval.source`` is read: as the feed reads its dataset (its field names, default task)."""
+    from libs.datasets import DatasetFields
+
+    fields = {k: getattr(cfg.feed, k) for k in DatasetFields.model_fields if k not in ("source", "format")}
+    return DatasetFields(**fields, source=cfg.eval.source)
+
+
+class Evaluator(Worker):
+    role = "eval"
+    unit = "evaluation"
+
+    def __init__(self, cfg, version: int | None = None, latest: bool = False):
+        super().__init__(cfg, cfg.eval.worker_id)
+        self.ec = cfg.eval
+        self.engine = self.pool = self.control = self.producer = self.metrics = None
+        self.evaluated: int | None = None
+        self.results: list[dict] = []
+        self.once = latest or version is not None
+        """Evaluate one version (``version``, or the newest with ``latest``) and stop."""
+        self.asked = version
+        self.update: dict | None = None
+        """The WeightUpdate evaluated once (None: version 0, the base model)."""
+
+    def setup(self) -> None:
+        from libs.datasets import load_dataset
+        from libs.engines import EngineContext, build_engine
+        from libs.rewards.pool import make_pool
+        from pipeline.models import load_tokenizer, materialize
+
+        if self.ec.source is None:
+            raise ConfigError("eval.source is not set: give a held-out dataset (rlstream eval FILE)")
+        if not Path(self.ec.source).exists():
+            raise ConfigError(f"eval.source {self.ec.source} does not exist")
+        if self.once:  # before the model loads: a version that is not there is said at once
+            from pipeline.versions import find_update
+
+            self.update = find_update(self.cfg, self.asked, base=True)
+        records = load_dataset(eval_feed(self.cfg))
+        self.records = records[: self.ec.max_prompts] if self.ec.max_prompts else records
+        model_dir = materialize(self.cfg.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = build_engine(self.cfg.rollout.engine, EngineContext(model_dir, self.tokenizer, self.worker_id))
+        self.pool = make_pool(self.cfg.reward, self.cfg.log_level)
+        if self.once:
+            return
+        self.control = ControlFollower(self.cfg, "eval", self.worker_id)
+        self.producer = Producer(client_conf(self.cfg, "eval", self.worker_id, kind="producer"))
+        self.metrics = WorkerMetrics(
+            "eval", self.worker_id, self.producer, self.cfg.topics.name("metrics"), self.ec.heartbeat_s,
+            self.ec.prometheus_port,
+        )  # fmt: skip
+        self.control.catch_up(self.liveness.startup_timeout_s)
+        log.info(
+            "evaluator started %s", kv(prompts=len(self.records), samples=self.ec.samples, every=self.ec.every_versions)
+        )
+
+    def run_once(self) -> bool:
+        if self.once:
+            if self.update is not None:
+                with self.section("weight load"):
+                    self.engine.load_weights(self.update, self.engine.prepare_weights(self.update))
+            with self.section("evaluation"):
+                self._evaluate()
+            return False
+        self.metrics.maybe_publish()
+        self.control.poll(0.5)
+        self.control.commands.clear()
+        upd = self.control.latest_update
+        target = upd["version"] if upd else 0
+        final = is_final(upd, self.cfg.trainer.max_steps)
+        if due(self.evaluated, target, self.ec.every_versions, final):
+            if target > self.engine.version:
+                with self.section("weight load"):
+                    self.engine.load_weights(upd, self.engine.prepare_weights(upd))
+            with self.section("evaluation"):
+                self._evaluate(final)
+        return True
+
+    def _evaluate(self, final: bool = False) -> None:
+        from libs.chat import render, uses_template
+        from libs.engines import GenRequest
+
+        rc, ec, t0 = self.cfg.rollout, self.ec, time.monotonic()
+        budget = ec.max_new_tokens or rc.max_new_tokens
+        reqs, meta = [], []
+        for i, r in enumerate(self.records):
+            if uses_template(r, rc.chat_template):
+                text = render(r, self.tokenizer, rc.system_prompt, rc.add_generation_prompt)
+                toks = self.tokenizer(text, add_special_tokens=False).input_ids
+            else:
+                text, toks = r["text"], self.tokenizer(r["text"]).input_ids
+            n = min(budget, self.engine.max_model_len - len(toks))
+            for j in range(ec.samples):
+                reqs.append(
+                    GenRequest(
+                        f"eval{i}/{j}", toks, max(1, n), ec.temperature, frozenset({self.tokenizer.eos_token_id})
+                    )
+                )
+                meta.append((r, text))
+        outs = []
+        for i in range(0, len(reqs), 64):  # in chunks, with a sign of life between them
+            outs += self.engine.generate(reqs[i : i + 64], timeout=self.liveness.slow_op_s)
+            if self.metrics is not None:
+                self.metrics.maybe_publish()
+        trajs = [
+            {
+                "trajectory_id": req.rid,
+                "group_id": req.rid,
+                "task": r["task"],
+                "prompt_text": text,
+                "response_text": self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+                "reference": r["reference"],
+                "finish_reason": out.finish_reason,
+                "num_turns": 1,
+                "metadata": {},
+            }
+            for req, out, (r, text) in zip(reqs, outs, meta, strict=True)
+        ]
+        outcomes = self.pool.score(trajs)
+        scored = [o for o in outcomes if o.ok]
+        rewards = [o.reward for o in scored]
+        res = {
+            "version": self.engine.version,
+            "eval_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "eval_pass_at_1": sum(r >= ec.pass_threshold for r in rewards) / len(trajs) if trajs else 0.0,
+            "eval_answers": len(trajs),
+            "eval_unscored": len(trajs) - len(scored),
+            "eval_s": time.monotonic() - t0,
+        }
+        self.results.append(res)
+        self.evaluated = self.engine.version
+        log.info("evaluated %s", kv(**{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
+        if self.once:
+            res["answers_file"] = str(self._write_answers(trajs, outcomes))
+            return
+        self.metrics.version = self.engine.version
+        for k, v in res.items():
+            if k != "version":
+                self.metrics.set(k, v)
+        if final:
+            self.metrics.set("eval_final", 1.0)
+        self.metrics.set("eval_at_ms", now_ms())
+        self.metrics.publish()
+        self.producer.flush_patiently(self.liveness.outage_s, "eval metrics")
+
+    def _write_answers(self, trajs: list[dict], outcomes: list) -> Path:
+        """``<run_dir>/eval/v<N>.jsonl``: each prompt, answer, reference and reward of a one-off evaluation."""
+        import json
+
+        path = Path(self.cfg.run_dir) / "eval" / f"v{self.engine.version}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for t, o in zip(trajs, outcomes, strict=True):
+                row = {k: t[k] for k in ("prompt_text", "response_text", "reference", "finish_reason")}
+                f.write(json.dumps({**row, "reward": o.reward if o.ok else None}) + "\n")
+        return path
+
+    def close(self) -> None:
+        for c in (self.control, self.pool, self.engine):
+            if c is not None:
+                c.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.producer is not None:
+            self.producer.close(self.cfg.kafka.request_timeout_s)
+
+    def result(self) -> list[dict]:
+        return self.results
+
+
+def is_final(update: dict | None, max_steps: int) -> bool:
+    """Whether ``update`` is the run's last version: the trainer publishes at ``trainer.max_steps``
+    whatever ``publish_every`` says, and stops there."""
+    return bool(update and max_steps and (update.get("step") or 0) >= max_steps)
+
+
+def due(evaluated: int | None, target: int, every: int, final: bool) -> bool:
+    """Whether the newest version ``target`` is to be evaluated now: the first one seen, each one
+    ``every`` past the last evaluated, and the final one always."""
+    return evaluated is None or target >= evaluated + every or (final and target > evaluated)
+
+
+def run(cfg, stop=None, version: int | None = None, latest: bool = False) -> list[dict]:
+    """Follow the run (default), or evaluate one version once (``version``, or the newest with ``latest``)."""
+    return Evaluator(cfg, version, latest).run(stop)

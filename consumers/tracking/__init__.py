@@ -1,0 +1,1 @@
+"""The tracking role (``rlstream track``): follows rl.metrics and writes TensorBoard / W&B."""

@@ -1,0 +1,167 @@
+"""Experiment logging as a consumer of rl.metrics: TensorBoard event files, and Weights & Biases
+(offline-capable) when configured.
+
+``Tracker`` turns MetricEvents into scalars: the trainer's per-step figures (reward, loss, KL,
+grad norm, lr, samples/s, the staleness histogram as ``staleness/lag_<d>``, the samples trained as
+``trainer/step_samples``; a step whose samples were all stale has no reward or loss point) at the trainer step,
+the eval curve (``eval/*``) at the policy version, and every other role's gauges and rates
+(``rollout/<worker>/*``, ``reward/<worker>/*``) and the lags per stage (``lag/<stage>``, when the
+caller knows them) on the trainer's axis too: each series gets one point per trainer step, its
+latest value while that step was the trainer's newest (written when the next step arrives, or at
+close), with the wall time it was reported at. So every series shares TensorBoard's step axis, and
+no series repeats a step (TensorBoard would keep only its last point there).
+
+``rlstream demo`` (and job runs) feed their own metrics stream into a Tracker writing
+``<run dir>/tensorboard``; ``rlstream track`` runs one as a process of its own for a pipeline
+started some other way. ``tensorboard --logdir <run dir>`` shows the run.
+
+torch's SummaryWriter (which needs the ``tensorboard`` package, the ``track`` extra) and wandb are
+imported only here. What this is not: a metrics store; Kafka and Prometheus are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from pipeline import codec
+from pipeline.admin import Admin
+from pipeline.config import StrictModel
+from pipeline.errors import DecodeError
+from pipeline.kafka import Consumer, TopicPartition, client_conf
+from pipeline.log import kv
+from pipeline.records import LAG_PREFIX, lag_counts, step_samples
+from pipeline.worker import Worker
+
+log = logging.getLogger(__name__)
+NO_SAMPLE_NO_VALUE = ("reward_mean", "loss")
+"""Trainer gauges (and ``loss_*``) that are means over the step's trained samples: not written for
+a step that trained none (``trainer/step_samples`` 0 marks it)."""
+
+
+class TrackingConfig(StrictModel):
+    tensorboard: bool = True
+    """Write TensorBoard event files (needs the ``tensorboard`` package: ``rlstream[track]``)."""
+    dir: Path | None = None
+    """Where the event files go; None: ``<run dir>/tensorboard``."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project ('' = off; needs ``wandb``)."""
+    wandb_mode: str = Field("offline", pattern=r"^(online|offline|disabled)$")
+    """W&B mode: ``offline`` writes a local run you can ``wandb sync`` later."""
+
+
+class Tracker:
+    def __init__(self, tc: TrackingConfig, run_dir: Path, name: str = "rlstream"):
+        self._last_step = -1
+        self._pending: dict[str, tuple[float, float]] = {}  # tag -> latest (value, wall) at this step
+        self.tb = self.wandb = None
+        if tc.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # say so once, keep the run going: tracking is not the pipeline
+                log.warning("TensorBoard logging off: %s (pip install 'rlstream[track]')", exc)
+            else:
+                self.dir = Path(tc.dir or Path(run_dir) / "tensorboard")
+                # purge_step=0: a resumed run writes the whole history again; TensorBoard then drops
+                # the older files' copies instead of drawing every point twice
+                self.tb = SummaryWriter(str(self.dir), flush_secs=5, purge_step=0)
+        if tc.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=tc.wandb_project, name=name, dir=str(run_dir), mode=tc.wandb_mode)
+
+    def _scalar(self, tag: str, value, step: int, wall: float) -> None:
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return
+        if self.tb is not None:
+            self.tb.add_scalar(tag, value, step, walltime=wall)
+        if self.wandb is not None:
+            self.wandb.log({tag: value, "step": step})
+
+    def add(self, ev: dict) -> None:
+        """One MetricEvent (decoded)."""
+        m, wall, role = ev["metrics"], ev["timestamp_ms"] / 1000, ev["role"]
+        if role == "trainer" and "step" in m and "reward_mean" in m:
+            step = int(m["step"])
+            if step <= self._last_step:
+                return  # a periodic event repeating the last step's gauges
+            self._flush()
+            self._last_step = step
+            trained = step_samples(m)
+            self._scalar("trainer/step_samples", trained, step, wall)
+            for lag, n in lag_counts(m).items():
+                self._scalar(f"staleness/lag_{lag}", n, step, wall)
+            for k, v in m.items():
+                if k.startswith(LAG_PREFIX) or k.endswith("_rate"):
+                    continue
+                if trained or not k.startswith(NO_SAMPLE_NO_VALUE):  # else: a mean over nothing, not 0.0
+                    self._scalar(f"trainer/{k}", v, step, wall)
+            self._scalar("trainer/version", ev["version"], step, wall)
+        elif role == "eval":
+            for k, v in m.items():
+                self._scalar(f"eval/{k.removeprefix('eval_')}", v, ev["version"], wall)
+        elif role != "trainer":
+            for k, v in m.items():
+                self._pending[f"{role}/{ev['worker_id']}/{k}"] = (v, wall)
+
+    def lags(self, lags: dict[str, int]) -> None:
+        now = time.time()
+        for stage, n in lags.items():
+            self._pending[f"lag/{stage}"] = (n, now)
+
+    def _flush(self) -> None:
+        """The pending role gauges and lags, at the trainer step they were the latest of."""
+        step = max(self._last_step, 0)
+        for tag, (value, wall) in self._pending.items():
+            self._scalar(tag, value, step, wall)
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._flush()
+        if self.tb is not None:
+            self.tb.close()
+            log.info("tensorboard event files written %s", kv(dir=self.dir))
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class TrackWorker(Worker):
+    """``rlstream track``: a process that follows rl.metrics from its start and writes a Tracker,
+    with the lag per stage every 10 s, until SIGTERM (the shared worker lifecycle)."""
+
+    role, unit = "track", "batch of events"
+
+    def __init__(self, cfg):
+        super().__init__(cfg, "track")
+        self.tracker = self.consumer = self.admin = None
+        self._last_lag = 0.0
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.tracker = Tracker(cfg.tracking, Path(cfg.run_dir))
+        self.consumer = Consumer(client_conf(cfg, "track", kind="consumer"))
+        self.consumer.assign([TopicPartition(cfg.topics.name("metrics"), 0, 0)])
+        self.admin = Admin(client_conf(cfg, "track"), cfg.kafka.request_timeout_s)
+
+    def run_once(self) -> bool:
+        cfg = self.cfg
+        for msg in self.consumer.consume(1000, 0.5):
+            try:
+                self.tracker.add(codec.decode_as(msg.value(), "MetricEvent"))
+            except DecodeError:
+                continue  # a foreign record on the metrics topic
+        if time.monotonic() - self._last_lag > 10:
+            self._last_lag = time.monotonic()
+            stages = (("rollout", cfg.rollout.group_id, "prompts"), ("reward", cfg.reward.group_id, "rollouts"),
+                      ("trainer", cfg.trainer.group_id, "scored"))  # fmt: skip
+            self.tracker.lags({s: sum(self.admin.lag(g, cfg.topics.name(t)).values()) for s, g, t in stages})
+        return True
+
+    def close(self) -> None:
+        for c in (self.tracker, self.consumer, self.admin):
+            if c is not None:
+                c.close()

@@ -1,0 +1,213 @@
+"""``rlstream bench learn``: staleness against quality. The same recipe (same seeds, data, model and
+hyper-parameters) runs at several ``rl.max_staleness`` values, one after another (with ``repeats``
+the order alternates), each for a wall-clock budget; the held-out eval curve of every run is then
+read back and set against wall time and against samples trained.
+
+Per run it reports: held-out pass@1 of version 0 and of the last evaluated version, the best, the
+wall time and samples until pass@1 first reached ``v0 + target_gain`` (``-`` if never), steps done,
+samples trained, and samples dropped as stale. A version's point in time is the moment the trainer
+step that produced it ended (from the steps log), so the eval process's own lag does not count.
+
+Each run is a whole ``rlstream run`` job (its own topics and run dir under the bench's directory)
+on the bench's broker, stopped with SIGTERM when its budget is spent. At k = 0 generation and
+training alternate, so the rollout engine and the trainer get every core (``threads``); at k > 0 they
+overlap and keep one thread each (the launcher's ``OMP_NUM_THREADS=1``). Sizes: ``tiny`` (the tiny
+model's arithmetic job, about a minute per run: a smoke test of the harness, not of learning) and
+``full`` (examples/smollm2-chain-sum.toml, 60 minutes per run, k = 0, 1, 2: the documented run).
+It prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from rlstream.dev.bench.harness import REPO, BenchContext, child_env, md_table, metric_events, rnd, write_json
+
+SIZES = {
+    "tiny": {
+        "recipe": REPO / "examples" / "arithmetic.toml",
+        "ks": [0, 1],
+        "budget_s": 90,
+        "repeats": 1,
+        "steps": 40,
+        "target_gain": 0.2,
+        "sets": ["eval.every_versions=10", "job.metrics_port_base=0"],
+    },
+    "full": {
+        "recipe": REPO / "examples" / "smollm2-chain-sum.toml",
+        "ks": [0, 1, 2],
+        "budget_s": 3600,
+        "repeats": 1,
+        "steps": 100_000,
+        "target_gain": 0.2,
+        "sets": [],
+    },
+}
+
+
+def _job_sets(ctx: BenchContext, name: str, k: int, sz: dict) -> list[str]:
+    # k = 0 alternates generation and training, so each may use every core; with k > 0 they overlap
+    # and keep the launcher's one thread per process
+    cores = os.cpu_count() or 1
+    sync = [f"rollout.engine.threads={cores}", f"trainer.engine.threads={cores}"] if k == 0 else []
+    return [
+        *ctx.base_sets,
+        *sz["sets"],
+        *sync,
+        f"job.name={name}",
+        f"run_dir={json.dumps(str(ctx.out / 'learn'))}",
+        f"rl.max_staleness={k}",
+        f"kafka.bootstrap_servers={ctx.bootstrap}",
+    ]
+
+
+def run_one(ctx: BenchContext, name: str, k: int, sz: dict) -> dict:
+    """One job at staleness ``k`` for the size's budget; its curve and counts."""
+    from rlstream.job import resolve
+
+    sets = _job_sets(ctx, name, k, sz)
+    args = ["-m", "rlstream", "run", str(sz["recipe"]), "--steps", str(sz["steps"]), "--no-live"]
+    args += [x for s in sets for x in ("--set", s)]
+    run_dir = ctx.out / "learn" / name
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    ctx.say(f"[bench] learn {name}: k = {k}, budget {sz['budget_s']} s")
+    with open(ctx.out / "learn" / f"{name}.out", "w") as log:
+        import sys
+
+        proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        status = "budget spent"
+        try:
+            proc.wait(timeout=sz["budget_s"])
+            status = "finished" if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also when the bench itself is interrupted: the job never outlives it
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the launcher stops every role it started
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    cfg = resolve(sz["recipe"], sets)
+    curve = eval_curve(cfg, run_dir, t0)
+    result = summarize(curve, steps_log(run_dir), sz["target_gain"])
+    return {"name": name, "k": k, "status": status, "wall_s": round(time.time() - t0, 1),
+            "loadavg_at_start": round(load0, 2), "curve": curve, **result}  # fmt: skip
+
+
+def steps_log(run_dir: Path) -> list[dict]:
+    from consumers.trainer.state import read_steps_log
+
+    return read_steps_log(run_dir / "trainer")
+
+
+def eval_curve(cfg, run_dir: Path, t0: float) -> list[dict]:
+    """``[{version, pass_at_1, reward_mean, wall_s, samples}]``: each evaluated version at the time
+    its trainer step ended (version 0 at 0 s), with the samples trained up to it."""
+    steps = steps_log(run_dir)
+    at = {0: (0.0, 0)}
+    samples = 0
+    for s in steps:
+        samples += len(s.get("used", []))
+        at[int(s["version"])] = (s["time"] - t0, samples)
+    out = {}
+    for ev in metric_events(cfg):
+        if ev["role"] != "eval" or "eval_pass_at_1" not in ev["metrics"] or ev["version"] not in at:
+            continue
+        wall, n = at[ev["version"]]
+        out[ev["version"]] = {"version": ev["version"], "pass_at_1": rnd(ev["metrics"]["eval_pass_at_1"]),
+                              "reward_mean": rnd(ev["metrics"].get("eval_reward_mean", 0.0)),
+                              "wall_s": round(wall, 1), "samples": n}  # fmt: skip
+    return [out[v] for v in sorted(out)]
+
+
+def summarize(curve: list[dict], steps: list[dict], target_gain: float) -> dict:
+    """Start, final and best pass@1; time and samples to ``start + target_gain``; steps, samples, stale."""
+    base = curve[0]["pass_at_1"] if curve and curve[0]["version"] == 0 else None
+    hit = next((c for c in curve if base is not None and c["pass_at_1"] >= base + target_gain - 1e-9), None)
+    return {
+        "pass_at_1_v0": base,
+        "pass_at_1_final": curve[-1]["pass_at_1"] if curve else None,
+        "final_version": curve[-1]["version"] if curve else None,
+        "pass_at_1_best": max((c["pass_at_1"] for c in curve), default=None),
+        "target": None if base is None else rnd(base + target_gain),
+        "time_to_target_s": hit["wall_s"] if hit else None,
+        "samples_to_target": hit["samples"] if hit else None,
+        "steps": len(steps),
+        "samples_trained": sum(len(s.get("used", [])) for s in steps),
+        "stale_dropped": sum(len(s.get("stale", [])) for s in steps),
+        "mean_step_s": rnd(sum(s.get("step_time_s", 0.0) for s in steps) / len(steps)) if steps else None,
+        "logp_diff_fresh": _fresh_logp_diff(steps),
+    }
+
+
+def _fresh_logp_diff(steps: list[dict]) -> float | None:
+    """Mean |trainer - engine| logprob per token over the steps that trained only version-lag-0
+    samples: the engine/trainer mismatch alone (the policy had not moved)."""
+    fresh = [s["logp_diff"] for s in steps if "logp_diff" in s and set(s.get("staleness", {})) <= {"0"}]
+    return rnd(sum(fresh) / len(fresh), 4) if fresh else None
+
+
+def run(ctx: BenchContext) -> dict:
+    sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
+    runs = []
+    for r in range(sz["repeats"]):
+        order = sz["ks"] if r % 2 == 0 else list(reversed(sz["ks"]))
+        for k in order:
+            runs.append(run_one(ctx, f"learn-{ctx.run_id}-k{k}-r{r}", k, sz))
+            write_json(ctx.out / "learn.json", {"benchmark": "learn", "runs": runs})
+    result = {"benchmark": "learn", "size": ctx.size, "recipe": str(sz["recipe"].relative_to(REPO)),
+              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "runs": runs}  # fmt: skip
+    result["plots"] = [str(p) for p in plot(ctx.out, result)]
+    write_json(ctx.out / "learn.json", result)
+    return result
+
+
+def table(result: dict) -> str:
+    return md_table(
+        ["k", "status", "steps", "samples", "stale dropped", "step s (mean)", "pass@1 v0", "final (version)",
+         "best", f"time to v0 + {result['target_gain']:g}", "samples to it", "mean abs logprob diff (lag 0)",
+         "load avg at start"],
+        [[r["k"], r["status"], r["steps"], r["samples_trained"], r["stale_dropped"], r["mean_step_s"],
+          r["pass_at_1_v0"], f"{r['pass_at_1_final']} (v{r['final_version']})", r["pass_at_1_best"],
+          "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s",
+          "-" if r["samples_to_target"] is None else r["samples_to_target"], r.get("logp_diff_fresh"),
+          r["loadavg_at_start"]]
+         for r in result["runs"]],
+    )  # fmt: skip
+
+
+def plot(out: Path, result: dict) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for r in result["runs"]:
+        c = r["curve"]
+        label = f"k = {r['k']}" + (f" ({r['name'].rsplit('-', 1)[-1]})" if result.get("repeats", 1) > 1 else "")
+        axes[0].plot([p["wall_s"] / 60 for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label)
+        axes[1].plot([p["samples"] for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label)
+    axes[0].set_xlabel("wall time (minutes)")
+    axes[1].set_xlabel("samples trained")
+    for ax in axes:
+        ax.set_ylabel("held-out pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle(f"staleness against quality: {result['recipe']}")
+    fig.tight_layout()
+    path = out / "learn.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,489 @@
+"""``rlstream chaos``: a fault run. The real roles run as supervised processes (as ``rlstream demo``
+runs them: the demo's task, model and settings) against a broker this command controls, while a
+seeded random schedule of faults hits them; then the run drains and is audited from the topics.
+
+Phases:
+1. **warm-up**: the local KRaft broker (``<out>/broker``, a free port kept across restarts) or
+   ``--bootstrap``; fresh topics; trainer, reward and rollout workers start. When every one has
+   published a MetricEvent the feed starts (N groups at a rate that spans most of the chaos phase)
+   and the chaos clock starts.
+2. **chaos** (``duration_s``): kill -9 of random roles at random moments (the trainer and the feed
+   included; the supervisor restarts them, and records the exit as ours, not as a crash), broker
+   restarts (stop by PID, 10-20 s down, start on the same data dir and port; skipped with
+   ``--bootstrap``), join/leave cycles (an extra rollout and reward worker, later stopped with
+   SIGTERM) and bursts of bad records (``rlstream.dev.fuzz``) in rl.prompts, rl.rollouts and rl.scored.
+3. **drain**: no more faults; the trainer runs to ``trainer.max_steps = N / G`` and exits 0, which
+   happens exactly when every group has been trained (deadline ``drain_s``).
+4. **audit** (``rlstream.dev.chaos_audit``), from the topics and the trainer's steps log, while the
+   broker still runs; then everything is stopped by PID.
+
+Output: progress lines on stderr, one verdict line on stdout, ``<out>/report.json`` and the role
+logs (``<out>/logs``, with the supervisor's ``events.jsonl``). Exit code 0 on PASS.
+Not a benchmark, and not a substitute for the unit tests of each role.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.markup import escape
+
+from pipeline.config import cli_overrides, load_tree, merge, validate
+from pipeline.log import kv, setup_logging
+from rlstream.dev import chaos_audit
+from rlstream.demo import TASK, demo_settings, write_task
+from rlstream.launcher import Launcher, RoleSpec, standard_roles
+from rlstream.supervisor import RestartPolicy
+
+log = logging.getLogger(__name__)
+SIZES = {
+    "tiny": {
+        "groups": 160,
+        "duration_s": 90.0,
+        "kills": 6,
+        "trainer_kills": 1,
+        "feed_kills": 1,
+        "broker_restarts": 1,
+        "joins": 1,
+        "fuzz": 50,
+    },
+    "full": {
+        "groups": 1600,
+        "duration_s": 1200.0,
+        "kills": 56,
+        "trainer_kills": 6,
+        "feed_kills": 6,
+        "broker_restarts": 2,
+        "joins": 2,
+        "fuzz": 1000,
+    },
+}
+TASK_RECORDS = 10  # write_task's prompts; the feed cycles over them in epochs
+CHAOS_SETTINGS = [  # below the user's --config/--set: a fault run's liveness bounds
+    "liveness.watchdog_s=30",
+    "liveness.shutdown_timeout_s=20",
+    "liveness.slow_op_s=300",
+    # a group waits this long for its last samples: a kill -9 or a broker restart delays them by a
+    # session timeout (45 s) plus a restart; the demo's 60 s would close groups early
+    "trainer.group_timeout_s=300",
+]
+BASE_ROLES = ["feed", "trainer", "rollout-0", "rollout-1", "reward-0", "reward-1"]
+
+
+@dataclass
+class ChaosOptions:
+    size: str = "tiny"
+    seed: int = 0
+    out: Path | None = None
+    bootstrap: str | None = None
+    groups: int | None = None
+    duration_s: float | None = None
+    kills: int | None = None
+    trainer_kills: int | None = None
+    feed_kills: int | None = None
+    broker_restarts: int | None = None
+    joins: int | None = None
+    fuzz: int | None = None
+    drain_s: float = 600.0
+    warmup_s: float = 600.0
+    keep_data: bool = False
+
+    def plan(self, groups_per_step: int) -> dict:
+        """The size's numbers with the overrides; ``groups`` rounded up to a multiple of G and of
+        the task's 10 prompts (so ``max_steps`` trains exactly the fed groups)."""
+        p = dict(SIZES[self.size])
+        p.update({k: v for k in p if (v := getattr(self, k)) is not None})
+        unit = math.lcm(groups_per_step, TASK_RECORDS)
+        p["groups"] = max(unit, -(-p["groups"] // unit) * unit)
+        p["kills"] = max(p["kills"], p["trainer_kills"] + p["feed_kills"])
+        if self.bootstrap:
+            p["broker_restarts"] = 0
+        return p
+
+
+@dataclass
+class Fault:
+    at: float
+    """Seconds into the chaos phase (a fault that cannot happen yet is moved later)."""
+    kind: str
+    """kill | broker | join | leave | fuzz"""
+    target: str = ""
+    arg: float = 0.0
+    required: bool = False
+    """A kill that counts towards the trainer/feed minimum (never moved to another role)."""
+    outcome: str | None = None
+    t_done: float | None = None
+
+
+def plan_faults(p: dict, rng: random.Random, duration: float) -> list[Fault]:
+    """The seeded schedule. Feed kills fall while the feed still feeds (first 55 %)."""
+    d = duration
+    faults = [Fault(rng.uniform(0.05, 0.85) * d, "kill", "trainer", required=True) for _ in range(p["trainer_kills"])]
+    faults += [Fault(rng.uniform(0.05, 0.55) * d, "kill", "feed", required=True) for _ in range(p["feed_kills"])]
+    for _ in range(p["kills"] - p["trainer_kills"] - p["feed_kills"]):
+        target = rng.choice(BASE_ROLES)
+        faults.append(Fault(rng.uniform(0.05, 0.55 if target == "feed" else 0.9) * d, "kill", target))
+    for i in range(p["broker_restarts"]):  # one per segment, in its first half: never two at once
+        seg = 0.8 * d / p["broker_restarts"]
+        faults.append(Fault(0.1 * d + i * seg + rng.uniform(0, 0.5) * seg, "broker", arg=rng.uniform(10, 20)))
+    for j in range(p["joins"]):
+        seg = 0.85 * d / p["joins"]
+        t = 0.05 * d + j * seg + rng.uniform(0, 0.2) * seg
+        faults.append(Fault(t, "join", f"x{j}"))
+        faults.append(Fault(t + rng.uniform(0.4, 0.7) * seg, "leave", f"x{j}"))
+    bursts = max(1, min(p["fuzz"], max(5, p["fuzz"] // 20)))
+    sizes = [p["fuzz"] // bursts + (1 if i < p["fuzz"] % bursts else 0) for i in range(bursts)]
+    faults += [Fault(rng.uniform(0.02, 0.9) * d, "fuzz", arg=n) for n in sizes if n]
+    return sorted(faults, key=lambda f: f.at)
+
+
+class BrokerOps:
+    """Restarts of our local broker, in a thread (the watch loop keeps supervising meanwhile)."""
+
+    def __init__(self, broker, say):
+        self.broker, self.say = broker, say
+        self.done: list[dict] = []
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def restart(self, down_s: float, t: float) -> None:
+        self._thread = threading.Thread(target=self._restart, args=(down_s, t), name="broker-restart", daemon=True)
+        self._thread.start()
+
+    def _restart(self, down_s: float, t: float) -> None:
+        rec = {"t": round(t, 1), "down_s": round(down_s, 1)}
+        t0 = time.monotonic()
+        try:
+            self.broker.stop(progress=self.say)
+            rec["stop_s"] = round(time.monotonic() - t0, 1)
+            time.sleep(down_s)
+            t1 = time.monotonic()
+            self.ensure_running()
+            rec["start_s"] = round(time.monotonic() - t1, 1)
+            rec["ok"] = True
+        except Exception as exc:  # reported; the audit then finds what the outage did
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            log.error("broker restart failed %s", kv(error=exc))
+        self.done.append(rec)
+
+    def ensure_running(self) -> None:
+        for attempt in range(3):
+            try:
+                self.broker.start(progress=self.say, owned=True)
+                return
+            except Exception as exc:
+                if attempt == 2:
+                    raise
+                log.warning("broker start failed; retrying %s", kv(error=exc))
+                time.sleep(5)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+class Chaos:
+    """The fault schedule, run from the launcher's watch loop (``tick``)."""
+
+    def __init__(self, cfg, launcher, p: dict, faults: list[Fault], broker_ops, injector, opts, console):
+        self.cfg, self.launcher, self.p, self.opts, self.console = cfg, launcher, p, opts, console
+        self.pending, self.faults = list(faults), faults
+        self.broker_ops, self.injector, self.rng = broker_ops, injector, random.Random(opts.seed + 1)
+        self.phase, self.t_start = "warm-up", time.monotonic()
+        self.t0 = self.t_drain = None
+        self.phases: dict[str, float] = {}
+
+    # -- the loop --------------------------------------------------------------------------------
+    def tick(self) -> str | None:
+        now = time.monotonic()
+        if self.injector is not None:
+            self.injector.poll()
+        if self.phase == "warm-up":
+            if self._pipeline_up():
+                self.phases["warmup_s"] = round(now - self.t_start, 1)
+                self.launcher.add_role(RoleSpec("feed", "feed", may_exit=True))
+                self.phase, self.t0 = "chaos", now
+                self.say(f"chaos phase: {len(self.pending)} faults over {self.p['duration_s']:.0f} s")
+            elif now - self.t_start > self.opts.warmup_s:
+                return f"failed: the roles did not all start within {self.opts.warmup_s:.0f} s"
+            return None
+        if self.phase == "chaos":
+            t = now - self.t0
+            for f in [f for f in self.pending if f.at <= t]:
+                self._do(f, t)
+            if not self.pending and t >= self.p["duration_s"] and not self.broker_ops.busy:
+                self.phase, self.t_drain = "drain", now
+                self.phases["chaos_s"] = round(now - self.t0, 1)
+                self.say("drain: no more faults; waiting for the trainer to finish")
+        elif self.phase == "drain" and now - self.t_drain > self.opts.drain_s:
+            return f"failed: drain timed out ({self.opts.drain_s:.0f} s) before the trainer reached its last step"
+        return None
+
+    def _pipeline_up(self) -> bool:
+        ids = {f"trainer/{self.cfg.trainer.trainer_id}"}
+        ids |= {f"{r.split('-')[0]}/{r}" for r in BASE_ROLES if r.startswith(("rollout", "reward"))}
+        return ids <= set(self.launcher.progress.workers)
+
+    def _do(self, f: Fault, t: float) -> None:
+        sup = self.launcher.sup
+        late = t > self.p["duration_s"] + 120  # give up on a fault that could not happen in time
+        if f.kind == "kill":
+            target = f.target
+            if not f.required and target == "feed" and _finished(sup, "feed"):
+                target = f.target = self.rng.choice([r for r in BASE_ROLES if r != "feed"])
+            pid = sup.inject(target, cause="chaos kill -9")
+            if pid is not None:
+                return self._done(f, t, f"kill -9 {target} (pid {pid})")
+            if late or (target == "feed" and _finished(sup, "feed")):
+                return self._done(f, t, f"skipped: {target} not running")
+            f.at = t + self.rng.uniform(2, 15)  # restarting now: strike again a bit later
+        elif f.kind == "broker":
+            if self.broker_ops.broker is None:
+                return self._done(f, t, "skipped: --bootstrap (not our broker)")
+            if not self.broker_ops.busy:
+                self.broker_ops.restart(f.arg, t)
+                return self._done(f, t, f"broker restart, {f.arg:.0f} s down")
+            f.at = t + 5
+        elif f.kind == "join":
+            for r in standard_roles(self.cfg, 1, 1):  # as the demo runs workers, under another name
+                if r.name in ("rollout-0", "reward-0"):
+                    name = f"{r.name[:-2]}-{f.target}"
+                    # a joiner is a dynamic member (no group.instance.id): its leave rebalances at once,
+                    # as an autoscaled worker's should
+                    sets = [s.replace(r.name, name) for s in r.sets if "group_instance_id" not in s]
+                    self.launcher.add_role(RoleSpec(name, r.command, sets))
+            return self._done(f, t, f"joined rollout-{f.target}, reward-{f.target}")
+        elif f.kind == "leave":
+            names = [f"rollout-{f.target}", f"reward-{f.target}"]
+            for name in names:  # SIGTERM; the supervisor records the exit (or SIGKILLs after the timeout)
+                sup.retire(name, self.cfg.liveness.shutdown_timeout_s + 15, cause="chaos leave (SIGTERM)")
+            left = [n for n in names if n in sup.children]  # restarting right now: again shortly
+            if not left:
+                return self._done(f, t, f"SIGTERM rollout-{f.target}, reward-{f.target}")
+            if late:
+                return self._done(f, t, f"skipped: {left} not running")
+            f.at = t + 3
+        elif f.kind == "fuzz":
+            n = self.injector.inject(int(f.arg))
+            return self._done(f, t, f"{n} bad records")
+
+    def _done(self, f: Fault, t: float, outcome: str) -> None:
+        f.outcome, f.t_done = outcome, round(t, 1)
+        self.pending.remove(f)
+        log.info("fault %s", kv(t=f.t_done, kind=f.kind, outcome=outcome))
+
+    # -- reporting -------------------------------------------------------------------------------
+    def done_counts(self, sup_summary: dict, fuzz_injected: int) -> dict:
+        kills = sup_summary["kills"]
+        return {
+            "kills": sup_summary["kills_total"],
+            "trainer_kills": kills.get("trainer", 0),
+            "feed_kills": kills.get("feed", 0),
+            "broker_restarts": sum(1 for r in self.broker_ops.done if r.get("ok")),
+            "joins": sum(1 for f in self.faults if f.kind == "leave" and f.outcome and f.outcome.startswith("SIGTERM")),
+            "fuzz": fuzz_injected,
+        }
+
+    def line(self) -> str:
+        now = time.monotonic()
+        t = now - (self.t_drain or self.t0 or self.t_start)
+        steps = self.launcher.progress.steps
+        done = [f for f in self.faults if f.outcome and not f.outcome.startswith("skipped")]
+        kills = sum(1 for f in done if f.kind == "kill")
+        return escape(
+            f"[chaos] {self.phase} {t:4.0f}s step {steps[-1]['step'] if steps else 0}/{self.cfg.trainer.max_steps} "
+            f"kills={kills} broker_restarts={len(self.broker_ops.done)} "
+            f"joins={sum(1 for f in done if f.kind == 'join')} "
+            f"fuzzed={len(self.injector.records) if self.injector else 0} pending={len(self.pending)} "
+            f"restarts={self.launcher.sup.restarts_total if self.launcher.sup else 0} lag={self.launcher.lags}"
+        )
+
+    def say(self, msg: str) -> None:
+        self.console.print(f"[chaos] {msg}", highlight=False, markup=False)
+
+
+def _finished(sup, name: str) -> bool:
+    c = sup.children.get(name)
+    return c is not None and c.restart_at is None and c.proc.poll() == 0
+
+
+class _ChaosLauncher(Launcher):
+    chaos: Chaos | None = None
+
+    def _line(self) -> str:
+        return self.chaos.line() if self.chaos else super()._line()
+
+
+def resolve(config_path, sets, run_dir: Path, run_id: str, bootstrap: str, p: dict):
+    """The run's config: the demo's settings < fault-run liveness < the user's file/env/--set < the run's own."""
+    from rlstream.config import Config
+
+    tree = cli_overrides(demo_settings(run_dir, run_id))
+    merge(tree, cli_overrides(CHAOS_SETTINGS))
+    merge(tree, load_tree(config_path or os.environ.get("RLSTREAM_CONFIG"), sets, dict(os.environ)))
+    g = tree.get("rl", {}).get("groups_per_step", 8)
+    prefix = f"chaos-{run_id}."
+    feed_span = 0.8 * p["duration_s"]
+    merge(
+        tree,
+        cli_overrides(
+            [
+                f"topics.prefix={prefix}",
+                f"rollout.group_id={prefix}rollout",
+                f"reward.group_id={prefix}reward",
+                f"reward.transactional_id_prefix={prefix}reward",
+                f"trainer.group_id={prefix}trainer",
+                f"feed.epochs={p['groups'] // TASK_RECORDS}",  # the feed's total, also across its restarts
+                f"feed.limit={p['groups']}",
+                f"feed.rate={p['groups'] / feed_span:.4f}",
+                f"trainer.max_steps={p['groups'] // g}",
+                f"run_dir={json.dumps(str(run_dir))}",
+                f"kafka.bootstrap_servers={bootstrap}",
+            ]
+        ),
+    )
+    return validate(Config, tree)
+
+
+def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
+    """The fault run; returns the report (``verdict`` PASS or FAIL)."""
+    from rich.console import Console
+
+    from consumers.trainer.state import read_steps_log
+    from pipeline.models import load_tokenizer, materialize
+    from rlstream.broker import LocalBroker
+    from rlstream.config import BrokerConfig, load_config
+    from rlstream.dev.fuzz import Injector
+
+    setup_logging("INFO")
+    console = Console(stderr=True, soft_wrap=True)
+    t_start, code_at_start = time.monotonic(), code_fingerprint()
+    base = load_config(config_path, sets)
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run_dir = Path(opts.out or Path(base.run_dir) / f"chaos-{run_id}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_task(run_dir / "task.jsonl")
+    p = opts.plan(base.rl.groups_per_step)
+    rng = random.Random(opts.seed)
+    broker = None if opts.bootstrap else LocalBroker(BrokerConfig(port=0, data_dir=run_dir / "broker", heap_mb=512))
+    ops = BrokerOps(broker, lambda m: console.print(f"[chaos] {m}", highlight=False, markup=False))
+    chaos = injector = None
+    status, audit, steps = "failed: did not start", None, []
+    try:
+        bootstrap = opts.bootstrap or broker.start(progress=ops.say, owned=True)["bootstrap"]
+        cfg = resolve(config_path, sets, run_dir, run_id, bootstrap, p)
+        p["groups_per_step"], p["max_steps"] = cfg.rl.groups_per_step, cfg.trainer.max_steps
+        ops.say(f"run dir {run_dir}; plan {json.dumps(p)}")
+        vocab = len(load_tokenizer(materialize(cfg.model)))
+        injector = Injector(cfg, p["fuzz"], random.Random(opts.seed + 2), vocab, TASK)
+        roles = [r for r in standard_roles(cfg, 2, 2) if r.name != "feed"]  # the feed starts with the chaos clock
+        launcher = _ChaosLauncher(
+            cfg, run_dir, roles, title="rlstream chaos", live=False, console=console, policy=RestartPolicy()
+        )
+        chaos = launcher.chaos = Chaos(
+            cfg, launcher, p, plan_faults(p, rng, p["duration_s"]), ops, injector, opts, console
+        )
+        status = launcher.run(tick=chaos.tick)["status"]
+        chaos.phases["drain_s"] = round(time.monotonic() - (chaos.t_drain or time.monotonic()), 1)
+        ops.wait()
+        if broker is not None and broker.state() is None:
+            ops.ensure_running()  # the audit reads the topics
+        injector.flush(60)
+        t_audit = time.monotonic()
+        ops.say("auditing the topics and the steps log")
+        data = chaos_audit.read_topics(cfg)
+        steps = read_steps_log(Path(cfg.trainer.checkpoint_dir or run_dir / "trainer"))
+        topics = {r: cfg.topics.name(r) for r in ("prompts", "rollouts", "scored")}
+        audit = chaos_audit.audit(
+            data,
+            steps,
+            injector.records,
+            topics=topics,
+            feed=cfg.feed.name,
+            expected_groups=p["groups"],
+            k=cfg.rl.max_staleness,
+        )
+        chaos.phases["audit_s"] = round(time.monotonic() - t_audit, 1)
+    finally:
+        if injector is not None:
+            injector.close()
+        ops.wait()
+        if broker is not None:
+            broker.stop(progress=ops.say)
+            if not opts.keep_data:
+                shutil.rmtree(run_dir / "broker" / "logs", ignore_errors=True)
+    changed = sorted({f for f, _ in code_fingerprint().items() ^ code_at_start.items()})
+    return _report(
+        run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, time.monotonic() - t_start, changed
+    )
+
+
+def code_fingerprint() -> dict[str, str]:
+    """path -> hash of every module and schema the roles run. Processes restarted during the run
+    load the code of that moment: if it changed (a shared working tree), the run is not valid."""
+    root = Path(__file__).resolve().parents[1]
+    return {
+        str(f.relative_to(root)): hashlib.sha1(f.read_bytes()).hexdigest()
+        for top in ("schemas", "pipeline", "producers", "consumers", "rlstream")
+        for f in sorted((root / top).rglob("*"))
+        if f.suffix in (".py", ".avsc") and f.is_file()
+    }
+
+
+def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wall_s, changed) -> dict:
+    events = chaos.launcher.sup.events if chaos and chaos.launcher.sup else []
+    sup = chaos_audit.supervision(events)
+    done = chaos.done_counts(sup, audit["fuzz_injected"] if audit else 0)
+    planned = {k: p[k] for k in ("kills", "trainer_kills", "feed_kills", "broker_restarts", "joins", "fuzz")}
+    faults = {"planned": planned, "done": done}
+    if audit is None:
+        audit = {
+            "lost_groups": -1,
+            "trained_twice": -1,
+            "scored_twice": -1,
+            "staleness_violations": -1,
+            "stalled_groups": -1,
+            "dlq_missing": -1,
+            "fuzz_undelivered": 0,
+            "nonfinite_steps": -1,
+            "dlq_without_reason": 0,
+            "fuzz_injected": 0,
+        }
+    v = chaos_audit.verdict(audit, sup, faults, status, wall_s)
+    if changed:
+        v["verdict"] = "FAIL"
+        v["failed"].append(f"the code changed during the run ({len(changed)} files, e.g. {', '.join(changed[:3])})")
+    line = chaos_audit.verdict_line(v)
+    report = {
+        **v,
+        "line": line,
+        "status": status,
+        "size": opts.size,
+        "seed": opts.seed,
+        "plan": p,
+        "run_dir": str(run_dir),
+        "bootstrap": bootstrap,
+        "broker": "own local KRaft broker, restarted" if not opts.bootstrap else "--bootstrap: no broker restarts",
+        "phases": chaos.phases,
+        "faults": {**faults, "broker_restarts": ops.done, "timeline": [asdict(f) for f in chaos.faults]},
+        "supervision": sup,
+        "audit": audit,
+        "code_changed_during_run": changed,
+        "fuzz_records": injector.records if injector else [],
+    }
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    print(line, flush=True)
+    return report

@@ -1,0 +1,76 @@
+"""The dev tools' commands on the ``rlstream`` command line: ``rlstream chaos`` (the fault run and
+its audit) and ``rlstream bench`` (the benchmarks). The command line registers them; their code is
+imported only when they run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlstream.cli_common import ConfigOpt, SetOpt, console, load, sigterm_unwinds, sources
+
+
+def chaos(
+    size: str = typer.Option("tiny", "--size", help="tiny (CI, ~3-5 min) | full (the documented run, 20-40 min)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and the bad records."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/chaos-<id>)."),
+    bootstrap: str | None = typer.Option(None, "--bootstrap", help="Use this Kafka (then no broker restarts)."),
+    groups: int | None = typer.Option(None, "--groups", help="Groups fed (a multiple of G and 10)."),
+    duration: float | None = typer.Option(None, "--duration", help="Seconds of the chaos phase."),
+    kills: int | None = typer.Option(None, "--kills", help="kill -9s in all (trainer and feed ones included)."),
+    trainer_kills: int | None = typer.Option(None, "--trainer-kills"),
+    feed_kills: int | None = typer.Option(None, "--feed-kills"),
+    broker_restarts: int | None = typer.Option(None, "--broker-restarts"),
+    joins: int | None = typer.Option(None, "--joins", help="Join/leave cycles of a rollout and a reward worker."),
+    fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
+    drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
+    keep_data: bool = typer.Option(False, "--keep-data", help="Keep the broker's data in the run dir."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """A fault run: the real roles under kill -9, broker restarts, joins/leaves and bad records, then
+    drained and audited from the topics. Prints one verdict line; exit 0 on PASS."""
+    if size not in ("tiny", "full"):
+        raise typer.BadParameter("--size must be tiny or full")
+    from rlstream.dev.chaos import ChaosOptions, run
+
+    sigterm_unwinds()
+    opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
+                        broker_restarts, joins, fuzz, drain, keep_data=keep_data)  # fmt: skip
+    raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
+
+
+BENCHMARKS = ("async", "transport", "weights", "scaling", "ceiling", "learn", "trl")
+ALL = ("async", "transport", "weights", "scaling", "ceiling")  # learn and trl take hours at full size: by name
+
+
+def bench(
+    names: Annotated[
+        list[str], typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all (all but learn and trl).")
+    ],
+    size: str = typer.Option("full", "--size", help="tiny (CI smoke test) | full (the documented run)."),
+    engine: str = typer.Option("sim,hf", "--engine", help="async: comma list of sim (load generator) and hf."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/bench-<id>)."),
+    docs: Path | None = typer.Option(None, "--docs", help="Update the generated tables of this markdown file."),
+    bootstrap: str | None = typer.Option(
+        None, "--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker)."
+    ),
+    profile: bool = typer.Option(False, "--profile", help="Record py-spy profiles of the worker processes."),
+    budget_s: float = typer.Option(0, "--budget-s", help="learn, trl: wall-clock budget of each run (0 = the size's)."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Benchmarks (async vs sync, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl); results as JSON + PNG, tables for the docs."""
+    wanted = list(ALL) if "all" in names else names
+    unknown = sorted(set(wanted) - set(BENCHMARKS))
+    if unknown or size not in ("tiny", "full"):
+        raise typer.BadParameter(f"unknown benchmark(s) {unknown}" if unknown else "--size must be tiny or full")
+    from rlstream.dev.bench.main import run
+
+    sigterm_unwinds()
+    path, sets = sources(config, set_)
+    cfg = load(config, set_, resolve=False)
+    run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print,
+        extra={"budget_s": budget_s} if budget_s else None)  # fmt: skip
