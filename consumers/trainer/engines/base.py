@@ -4,7 +4,8 @@ linear or cosine decay), and small torch.distributed helpers (rank/world from th
 environment, object broadcast, sums across ranks).
 
 An engine owns the trained model and its optimizer. It does not know about Kafka, versions or
-losses: ``train_step`` takes micro-batches and a ``loss_fn(logp, mb) -> (loss, stats)``. Every
+losses: ``train_step`` takes micro-batches and a ``loss_fn(logp, mb) -> (loss, stats)``
+(``losses.LossFn``, which declares ``needs_entropy``: then it is called with ``entropy=`` too). Every
 engine is built as ``Engine(config, ctx: TrainContext)``: its own section (``trainer.engine``)
 and the trainer's settings it needs (learning rate, optimizer, seed, collective timeout).
 """
