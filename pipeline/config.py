@@ -55,16 +55,22 @@ class PluginConfig(StrictModel):
         return v
 
 
-def plugin_union(*builtins: type[StrictModel]):
-    """A discriminated union on ``type`` of built-in config models, plus ``PluginConfig`` for any
-    other value (a user plug-in named by its dotted path)."""
-    names = {m.model_fields["type"].default: m for m in builtins}
+def plugin_union(
+    *builtins: type[StrictModel],
+    plugin: type[StrictModel] = PluginConfig,
+    key: str = "type",
+    default: str | None = None,
+):
+    """A discriminated union on ``key`` (``type``) of built-in config models, plus ``plugin``
+    (``PluginConfig``) for any other value (a user plug-in named by its dotted path). ``default``:
+    the built-in a table without ``key`` stands for (None: such a table is the plug-in's)."""
+    names = {m.model_fields[key].default: m for m in builtins}
 
     def tag(v) -> str:
-        t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+        t = v.get(key, default) if isinstance(v, dict) else getattr(v, key, None)
         return t if t in names else "plugin"
 
-    members = (*(Annotated[m, Tag(n)] for n, m in names.items()), Annotated[PluginConfig, Tag("plugin")])
+    members = (*(Annotated[m, Tag(n)] for n, m in names.items()), Annotated[plugin, Tag("plugin")])
     return Annotated[Union[members], Discriminator(tag)]  # noqa: UP007 - built from a tuple
 
 

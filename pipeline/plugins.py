@@ -1,13 +1,15 @@
 """One plug-in seam per kind: a ``Registry`` of names to lazily imported objects.
 
-Every kind of plug-in (rollout engines, train engines, reward functions, environments) has one
-registry in its package's face, e.g. ``libs.engines.ENGINES``. Built-ins are listed as
+Every kind of plug-in (rollout engines, train engines, reward functions, environments, policy
+losses, advantage estimators) has one registry in its package's face, e.g.
+``libs.engines.ENGINES``. Built-ins are listed as
 ``"module:Attr"`` strings, so nothing heavy is imported until one is used (``rlstream --help``
 imports no torch). A user plug-in is named by its dotted path, ``my.module:MyEngine``, anywhere a
 built-in name is accepted, or registered by code with ``REGISTRY.register("name", obj)``.
 
 Every registry builds its objects the same way: ``cls(config, ctx)``: the plug-in's own config
-section and a small context object of its kind. What an object can do is declared as class
+section and a small context object of its kind (losses and advantage estimators, which need no
+context, are ``cls(config)``). What an object can do is declared as class
 attributes (capabilities), never inferred from its name.
 
 What this is not: a packaging or entry-point system; ``module:Attr`` must be importable, from

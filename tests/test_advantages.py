@@ -5,7 +5,7 @@ import math
 import pytest
 
 from consumers.trainer import advantages
-from consumers.trainer.config import AdvantageConfig
+from consumers.trainer.loss_config import advantage_config
 
 
 def test_grpo_hand_computed():
@@ -35,12 +35,12 @@ def test_rloo_hand_computed():
 
 @pytest.mark.parametrize("est", ["grpo", "dr_grpo", "rloo"])
 def test_single_sample_group_has_zero_advantage(est):
-    assert advantages.compute([0.7], AdvantageConfig(estimator=est)) == [0.0]
-    assert advantages.compute([], AdvantageConfig(estimator=est)) == []
+    assert advantages.compute([0.7], advantage_config(estimator=est)) == [0.0]
+    assert advantages.compute([], advantage_config(estimator=est)) == []
 
 
 def test_compute_dispatches_on_config():
     r = [1.0, 0.0]
-    assert advantages.compute(r, AdvantageConfig(estimator="dr_grpo")) == [0.5, -0.5]
-    assert advantages.compute(r, AdvantageConfig(estimator="rloo")) == [1.0, -1.0]
-    assert advantages.compute(r, AdvantageConfig(estimator="grpo", eps=1e-6)) == pytest.approx([0.7071063, -0.7071063])
+    assert advantages.compute(r, advantage_config(estimator="dr_grpo")) == [0.5, -0.5]
+    assert advantages.compute(r, advantage_config(estimator="rloo")) == [1.0, -1.0]
+    assert advantages.compute(r, advantage_config(estimator="grpo", eps=1e-6)) == pytest.approx([0.7071063, -0.7071063])

@@ -24,9 +24,9 @@ import pytest
 
 from pipeline import codec
 from pipeline.errors import DecodeError
-from rlstream.dev import chaos_audit as ca
 from rlstream.broker import LocalBroker
 from rlstream.config import BrokerConfig
+from rlstream.dev import chaos_audit as ca
 from rlstream.dev.fuzz import KINDS, SCHEMA_OF, RecordBuilder
 from rlstream.supervisor import RestartPolicy, Supervisor
 from tests.conftest import rlstream_cmd

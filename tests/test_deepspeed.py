@@ -9,7 +9,6 @@ worker of ``test_zero2_two_processes_match_one_process``.
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import socket
@@ -37,7 +36,7 @@ def config(*extra: str):
 
 def make_samples(n: int = 5):
     """Deterministic off-policy samples with environment tokens and two groups' advantages."""
-    from consumers.trainer.batch import Sample
+    from consumers.trainer.batch import TrainSample
 
     rng = random.Random(7)
     out = []
@@ -46,9 +45,9 @@ def make_samples(n: int = 5):
         mask = [1] * n_resp
         mask[1] = 0
         out.append(
-            Sample(
+            TrainSample(
                 trajectory_id=f"g{i % 2}/{i}",
-                group_id=f"g{i % 2}",
+                prompt_group=f"g{i % 2}",
                 partition=0,
                 offset=i,
                 prompt=[rng.randrange(4, 90) for _ in range(rng.randint(2, 6))],
@@ -67,11 +66,11 @@ def make_samples(n: int = 5):
 
 def one_step(engine, cfg, rank: int = 0, world: int = 1):
     from consumers.trainer.batch import sample_weights, shard_micro_batches
-    from consumers.trainer.losses import micro_batch_loss
+    from consumers.trainer.losses import LossFn
 
     samples = make_samples()
     mbs = shard_micro_batches(samples, sample_weights(samples, cfg.trainer.loss), rank, world, 2)
-    res = engine.train_step(mbs, functools.partial(micro_batch_loss, cfg=cfg.trainer.loss), capture_grads=True)
+    res = engine.train_step(mbs, LossFn(cfg.trainer.loss), capture_grads=True)
     return res, len(mbs)
 
 

@@ -11,6 +11,8 @@ from pipeline.models import TinyModelConfig, build_tiny_model  # noqa: E402
 
 
 class _MB:
+    position_ids = None  # the padded layout (collate.MicroBatch)
+
     def __init__(self, ids, first):
         self.input_ids = ids
         self.attention_mask = torch.ones_like(ids)

@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from consumers.trainer import losses  # noqa: E402
-from consumers.trainer.batch import MicroBatch, Sample, collate, sample_weights, shard_micro_batches  # noqa: E402
-from consumers.trainer.config import LossConfig  # noqa: E402
+from consumers.trainer.batch import MicroBatch, TrainSample, collate, sample_weights, shard_micro_batches  # noqa: E402
+from consumers.trainer.loss_config import loss_config  # noqa: E402
 
 LN = math.log
 
@@ -103,7 +103,7 @@ def test_micro_batch_loss_weights_mask_and_kl():
     # two sequences, on-policy (ratio 1): ppo token loss = -A; second seq's last token is masked out
     logp = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], requires_grad=True)
     mb = _mb([[-1.0, -2.0], [-1.0, -1.0]], [1.0, -2.0], [[1, 1], [1, 0]], [0.25, 0.5])
-    loss, stats = losses.micro_batch_loss(logp, mb, LossConfig())
+    loss, stats = losses.micro_batch_loss(logp, mb, loss_config())
     assert loss.item() == pytest.approx(0.25 * (-1 - 1) + 0.5 * 2.0)
     loss.backward()
     assert logp.grad[1, 1].item() == 0.0  # masked token: no gradient
@@ -112,17 +112,17 @@ def test_micro_batch_loss_weights_mask_and_kl():
     # with KL: ref = logp + ln 2 on every token -> k3 = 2 - ln 2 - 1 per token
     ref = [[-1.0 + LN(2), -2.0 + LN(2)], [-1.0 + LN(2), -1.0 + LN(2)]]
     mb_kl = _mb([[-1.0, -2.0], [-1.0, -1.0]], [1.0, -2.0], [[1, 1], [1, 0]], [0.25, 0.5], ref=ref)
-    loss_kl, _ = losses.micro_batch_loss(logp.detach(), mb_kl, LossConfig(kl_coef=0.1))
+    loss_kl, _ = losses.micro_batch_loss(logp.detach(), mb_kl, loss_config(kl_coef=0.1))
     k3 = 2 - LN(2) - 1
     assert loss_kl.item() == pytest.approx(-0.5 + 1.0 + 0.1 * (0.25 * 2 * k3 + 0.5 * k3), rel=1e-5)
     with pytest.raises(ValueError):
-        losses.micro_batch_loss(logp.detach(), mb, LossConfig(kl_coef=0.1))
+        losses.micro_batch_loss(logp.detach(), mb, loss_config(kl_coef=0.1))
 
 
 def _sample(i, n_resp, mask=None, prompt=(5, 6)):
-    return Sample(
+    return TrainSample(
         trajectory_id=f"g/{i}",
-        group_id="g",
+        prompt_group="g",
         partition=0,
         offset=i,
         prompt=list(prompt),
@@ -149,12 +149,12 @@ def _sample(i, n_resp, mask=None, prompt=(5, 6)):
 def test_aggregation_weights(agg, norm, expected):
     # 2 trained tokens (3 tokens, one environment token) and 4 trained tokens (5 tokens, one env token)
     samples = [_sample(0, 3, [1, 0, 1]), _sample(1, 5, [1, 1, 0, 1, 1])]
-    assert sample_weights(samples, LossConfig(aggregation=agg, norm_tokens=norm)) == pytest.approx(expected)
+    assert sample_weights(samples, loss_config(aggregation=agg, norm_tokens=norm)) == pytest.approx(expected)
 
 
 def test_sequence_without_trained_tokens_does_not_count():
     samples = [_sample(0, 2, [0, 0]), _sample(1, 4)]
-    assert sample_weights(samples, LossConfig(aggregation="seq-mean-token-sum")) == [0.0, 1.0]
+    assert sample_weights(samples, loss_config(aggregation="seq-mean-token-sum")) == [0.0, 1.0]
 
 
 def test_collate_aligns_response_tokens_and_honours_loss_mask():

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from consumers.trainer.batch import Sample, sample_weights  # noqa: E402
+from consumers.trainer.batch import TrainSample, sample_weights  # noqa: E402
 from consumers.trainer.collate import chunk, collate, pack, shard_micro_batches, split_by_tokens  # noqa: E402
 from consumers.trainer.engines import TrainContext, build_engine  # noqa: E402
 from consumers.trainer.engines.base import forward_loss  # noqa: E402
@@ -47,9 +47,9 @@ def random_samples(n, seed=0, vocab=(4, 80), max_prompt=6, max_resp=9, empty_pro
         p = rng.randint(0 if empty_prompts else 1, max_prompt)
         r = rng.randint(1, max_resp)
         out.append(
-            Sample(
+            TrainSample(
                 trajectory_id=f"g{i // 4}/{i}",
-                group_id=f"g{i // 4}",
+                prompt_group=f"g{i // 4}",
                 partition=0,
                 offset=i,
                 prompt=[rng.randrange(*vocab) for _ in range(p)],
@@ -82,8 +82,8 @@ def test_vectorised_collate_equals_the_element_wise_one(seed):
 
 
 def test_pack_lays_samples_end_to_end():
-    a = Sample("g/0", "g", 0, 0, [5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], [1, 0, 1], 0.0, 0, 0, 2, advantage=1.0)
-    b = Sample("g/1", "g", 0, 1, [], [10, 11], [-0.4, -0.5], [1, 1], 0.0, 0, 0, 2, advantage=-1.0)
+    a = TrainSample("g/0", "g", 0, 0, [5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], [1, 0, 1], 0.0, 0, 0, 2, advantage=1.0)
+    b = TrainSample("g/1", "g", 0, 1, [], [10, 11], [-0.4, -0.5], [1, 1], 0.0, 0, 0, 2, advantage=-1.0)
     mb = pack([a, b], [0.5, 0.25])
     # row: 5 6 7 8 9 | 10 11; positions restart at 0 for the second sample
     assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
@@ -149,7 +149,7 @@ def test_token_budget_micro_batches():
             assert cost <= 24 or len(c) == 1
     # hand-computed: lengths 3, 4, 5, 9 with a budget of 10 -> padded [3, 4] (2x4=8), [5] ([5, 9] = 18), [9];
     # packed [3, 4] (7), [5] (5 + 9 > 10), [9]
-    four = [(Sample(f"s{n}", "g", 0, n, [1], [2] * (n - 1), [0.0] * (n - 1), [1] * (n - 1), 0.0, 0, 0, 1), 1.0)
+    four = [(TrainSample(f"s{n}", "g", 0, n, [1], [2] * (n - 1), [0.0] * (n - 1), [1] * (n - 1), 0.0, 0, 0, 1), 1.0)
             for n in (3, 4, 5, 9)]  # fmt: skip
     sizes = lambda cut: [[len(s.prompt) + len(s.response) for s, _ in c] for c in cut]  # noqa: E731
     assert sizes(chunk(four, 99, 10, False)) == [[3, 4], [5], [9]]
@@ -184,4 +184,4 @@ def test_packing_is_refused_for_an_attention_without_position_id_separation():
     with pytest.raises(ConfigError, match="packing"):
         check_packing(Conf())
     _, eng = setup()
-    check_packing(eng.config)  # the tiny Llama (sdpa) supports it
+    check_packing(eng.model_config)  # the tiny Llama (sdpa) supports it

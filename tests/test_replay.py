@@ -22,7 +22,7 @@ from tests.test_trainer import TINY, ScoredProducer, scored
 # ---- pure selection logic ---------------------------------------------------------------------
 def _sample(gid: str, i: int, size: int = 2, seq: int = 0, part: int = 0, off: int = 0):
     return SimpleNamespace(
-        group_id=gid, trajectory_id=f"{gid}/{i}", group_size=size, group_seq=seq, version_min=0, partition=part,
+        prompt_group=gid, trajectory_id=f"{gid}/{i}", group_size=size, group_seq=seq, version_min=0, partition=part,
         offset=off, reward=float(i),
     )  # fmt: skip
 
@@ -47,7 +47,7 @@ def test_sequence_order_does_not_depend_on_fetch_order():
         steps = []
         for _ in range(3):
             _, groups = sel.select(asm, 0, True, 0)
-            steps.append([g.group_id for g in groups])
+            steps.append([g.id for g in groups])
         picks.append(steps)
     assert all(p == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]] for p in picks)
 
@@ -57,7 +57,7 @@ def test_sequence_order_does_not_depend_on_fetch_order():
     assert sel.select(asm, 0, False, 0) == ([], None)
     _feed(asm, [samples[1]])
     assert sel.select(asm, 0, False, 0) == ([], None)  # not at the end of the log: no step
-    assert [g.group_id for g in sel.select(asm, 0, True, 0)[1]] == ["g0", "g1"]
+    assert [g.id for g in sel.select(asm, 0, True, 0)[1]] == ["g0", "g1"]
 
 
 def test_sequence_order_filters_in_order():
@@ -67,10 +67,10 @@ def test_sequence_order_filters_in_order():
 
     asm, sel = GroupAssembler(300.0), SequenceSelector(2)
     _feed(asm, [_sample(f"g{g}", i, seq=g) for g in range(5) for i in range(2)])
-    keep = lambda g: g.group_id not in ("g1", "g4")  # noqa: E731
+    keep = lambda g: g.id not in ("g1", "g4")  # noqa: E731
     filtered, groups = sel.select(asm, 0, True, 0, keep)
-    assert [g.group_id for g in filtered] == ["g1"] and [g.group_id for g in groups] == ["g0", "g2"]
-    assert [g.group_id for g in asm.ready] == ["g3", "g4"]  # g4 not judged yet: it belongs to a later step
+    assert [g.id for g in filtered] == ["g1"] and [g.id for g in groups] == ["g0", "g2"]
+    assert [g.id for g in asm.ready] == ["g3", "g4"]  # g4 not judged yet: it belongs to a later step
 
 
 def test_expected_members_close_a_group_and_refuse_the_rest():

@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from consumers.trainer.batch import Sample, informative, plan_step, sample_from_record, sample_weights  # noqa: E402
+from consumers.trainer.batch import TrainSample, informative, plan_step, sample_from_record, sample_weights  # noqa: E402
 from consumers.trainer.collate import collate, pack  # noqa: E402
-from consumers.trainer.config import AdvantageConfig, LossConfig  # noqa: E402
+from consumers.trainer.loss_config import advantage_config, loss_config  # noqa: E402
 from consumers.trainer.losses import LossFn, micro_batch_loss  # noqa: E402
 from consumers.trainer.staleness import TokenCut, gate, parse_marks, token_version  # noqa: E402
 from pipeline.errors import DecodeError  # noqa: E402
@@ -27,7 +27,7 @@ MARKS = ((0, 1), (4, 2), (7, 3))
 
 def sample(i=0, marks=MARKS, vmin=1, vmax=3, mask=None, reward=0.0, n=10, group="g", logprobs=None):
     mask = [1] * n if mask is None else mask
-    return Sample(
+    return TrainSample(
         f"{group}/{i}", group, 0, i, [5, 6], [10 + j for j in range(n)], logprobs or [-1.0 - 0.1 * j for j in range(n)],
         list(mask), reward, vmin, vmax, 4, group_seq=0, version_marks=marks,
     )  # fmt: skip
@@ -75,7 +75,7 @@ def test_plan_masks_a_copy_and_keeps_the_sample_in_the_baseline():
     partial = sample(1, reward=0.0)
     old = sample(2, marks=((0, 0),), vmin=0, vmax=0, reward=1.0)
     all_old = sample(3, marks=((0, 0), (5, 1)), vmin=0, vmax=1, reward=1.0)
-    plan = plan_step([G([fresh, partial, old, all_old])], 3, 1, "drop", AdvantageConfig(), staleness_rule="token")
+    plan = plan_step([G([fresh, partial, old, all_old])], 3, 1, "drop", advantage_config(), staleness_rule="token")
     assert [s.trajectory_id for s in plan.train] == ["g/0", "g/1"]
     assert [s.trajectory_id for s in plan.stale] == ["g/2", "g/3"]
     a = 0.5 / (math.sqrt(0.5) + 1e-6)  # grpo over the two rewards [1, 0]
@@ -85,15 +85,15 @@ def test_plan_masks_a_copy_and_keeps_the_sample_in_the_baseline():
     assert kept.cut == TokenCut(4, 4, 2) and kept is not partial and plan.train[0] is fresh
     assert plan.token_masked() == {"g/1": {"from": 4, "masked": 4, "oldest": 2}}
     assert plan.version_lag_counts() == {0: 1, 1: 1}
-    by_sample = plan_step([G([fresh, partial, old, all_old])], 3, 1, "drop", AdvantageConfig())
+    by_sample = plan_step([G([fresh, partial, old, all_old])], 3, 1, "drop", advantage_config())
     assert [s.trajectory_id for s in by_sample.train] == ["g/0"] and by_sample.token_masked() == {}
 
 
 def test_weights_count_only_kept_tokens():
-    plan = plan_step([G([sample(0, marks=((0, 3),), vmin=3, vmax=3), sample(1)])], 3, 1, "drop", AdvantageConfig(),
+    plan = plan_step([G([sample(0, marks=((0, 3),), vmin=3, vmax=3), sample(1)])], 3, 1, "drop", advantage_config(),
                      staleness_rule="token")  # fmt: skip
-    assert sample_weights(plan.train, LossConfig()) == pytest.approx([1 / 16, 1 / 16])  # 10 + 6 trained tokens
-    agg = LossConfig(aggregation="seq-mean-token-mean")
+    assert sample_weights(plan.train, loss_config()) == pytest.approx([1 / 16, 1 / 16])  # 10 + 6 trained tokens
+    agg = loss_config(aggregation="seq-mean-token-mean")
     assert sample_weights(plan.train, agg) == pytest.approx([1 / 20, 1 / 12])
 
 
@@ -122,12 +122,12 @@ def test_records_carry_their_marks_only_under_the_token_rule():
 
 # ---- the loss ---------------------------------------------------------------------------------
 LOSSES = [
-    LossConfig(type="ppo_clip"),
-    LossConfig(type="tis"),
-    LossConfig(type="decoupled_ppo"),
-    LossConfig(type="cispo"),
-    LossConfig(type="gspo", aggregation="seq-mean-token-mean"),
-    LossConfig(type="ppo_clip", kl_coef=0.1, entropy_coef=0.01),
+    loss_config(type="ppo_clip"),
+    loss_config(type="tis"),
+    loss_config(type="decoupled_ppo"),
+    loss_config(type="cispo"),
+    loss_config(type="gspo", aggregation="seq-mean-token-mean"),
+    loss_config(type="ppo_clip", kl_coef=0.1, entropy_coef=0.01),
 ]
 
 
@@ -136,8 +136,8 @@ def _masked_batch(stale_logprob: float, build=collate):
     masked tokens' recorded logprobs are ``stale_logprob``."""
     lps = [stale_logprob] * 4 + [-1.0 - 0.1 * j for j in range(4, 10)]
     samples = [sample(0, marks=((0, 3),), vmin=3, vmax=3, reward=1.0), sample(1, logprobs=lps, reward=0.0)]
-    plan = plan_step([G(samples)], 3, 1, "drop", AdvantageConfig(), staleness_rule="token")
-    return plan.train, build(plan.train, sample_weights(plan.train, LossConfig()))
+    plan = plan_step([G(samples)], 3, 1, "drop", advantage_config(), staleness_rule="token")
+    return plan.train, build(plan.train, sample_weights(plan.train, loss_config()))
 
 
 @pytest.mark.parametrize("cfg", LOSSES, ids=lambda c: f"{c.type}-kl{c.kl_coef}")
@@ -168,7 +168,7 @@ def test_masked_tokens_contribute_nothing(cfg):
 def test_kept_tokens_use_their_own_behaviour_logprobs_and_gspo_ratio_is_over_them():
     samples, mb = _masked_batch(-300.0)
     logp = torch.full(mb.token_mask.shape, -1.0)
-    _, st = micro_batch_loss(logp, mb, LossConfig(type="ppo_clip"))
+    _, st = micro_batch_loss(logp, mb, loss_config(type="ppo_clip"))
     # row 1: prompt of 2 tokens, so response token j is predicted at position 1 + j; kept j = 4..9
     ratios = [math.exp(-1.0 - samples[1].logprobs[j]) for j in range(4, 10)]
     assert st["ratio"][0] == pytest.approx(sum(math.exp(-1.0 - lp) for lp in samples[0].logprobs) + sum(ratios))

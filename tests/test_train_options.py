@@ -11,9 +11,10 @@ torch = pytest.importorskip("torch")
 
 from consumers.trainer import losses  # noqa: E402
 from consumers.trainer.assembler import GroupAssembler  # noqa: E402
-from consumers.trainer.batch import MicroBatch, Sample, informative, plan_step, sample_weights  # noqa: E402
-from consumers.trainer.config import AdvantageConfig, LossConfig, OptimConfig  # noqa: E402
+from consumers.trainer.batch import MicroBatch, TrainSample, informative, plan_step, sample_weights  # noqa: E402
+from consumers.trainer.config import OptimConfig  # noqa: E402
 from consumers.trainer.engines.base import lr_lambda, token_logprobs  # noqa: E402
+from consumers.trainer.loss_config import advantage_config, loss_config  # noqa: E402
 from pipeline import control  # noqa: E402
 
 LN = math.log
@@ -55,7 +56,7 @@ def test_gspo_token_form_has_the_sequence_objectives_gradient():
     logp0 = old + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.05
     mask = t([1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0])
     adv = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)
-    cfg = LossConfig(type="gspo", aggregation="seq-mean-token-mean", gspo_eps_low=0.02, gspo_eps_high=0.03)
+    cfg = loss_config(type="gspo", aggregation="seq-mean-token-mean", eps_low=0.02, eps_high=0.03)
     n = mask.sum(-1)
     mb = MicroBatch(
         input_ids=None, attention_mask=None, targets=None, token_mask=mask, old_logp=old, advantages=adv,
@@ -88,13 +89,13 @@ def test_entropy_bonus_hand_computed():
         old_logp=torch.tensor([[-1.0, -2.0]]), advantages=torch.tensor([1.0]), weights=torch.tensor([0.5]), ids=["a"],
     )  # fmt: skip
     ent = torch.tensor([[LN(2.0), LN(4.0)]])
-    loss, stats = losses.micro_batch_loss(logp, mb, LossConfig(entropy_coef=0.1), entropy=ent)
+    loss, stats = losses.micro_batch_loss(logp, mb, loss_config(entropy_coef=0.1), entropy=ent)
     # on-policy ppo: -A per token = -1; minus 0.1 H: 0.5 * ((-1 - 0.1 ln 2) + (-1 - 0.1 ln 4))
     assert float(loss.detach()) == pytest.approx(0.5 * (-2 - 0.1 * LN(2.0) - 0.1 * LN(4.0)))
     assert stats["entropy"] == (pytest.approx(LN(2.0) + LN(4.0)), 2.0)
     with pytest.raises(ValueError, match="entropy"):
-        losses.micro_batch_loss(logp, mb, LossConfig(entropy_coef=0.1))
-    assert losses.LossFn(LossConfig(entropy_coef=0.1)).needs_entropy and not losses.LossFn(LossConfig()).needs_entropy
+        losses.micro_batch_loss(logp, mb, loss_config(entropy_coef=0.1))
+    assert losses.LossFn(loss_config(entropy_coef=0.1)).needs_entropy and not losses.LossFn(loss_config()).needs_entropy
 
 
 def test_token_entropy_from_a_real_model_matches_the_distribution():
@@ -102,7 +103,7 @@ def test_token_entropy_from_a_real_model_matches_the_distribution():
     from pipeline.models import TinyModelConfig, load_model, materialize
 
     model = load_model(materialize(TinyModelConfig(hidden_size=32, num_heads=2, num_layers=1, intermediate_size=64)))
-    s = Sample("g/0", "g", 0, 0, [5, 6, 7], [8, 9], [-1.0, -1.0], [1, 1], 0.0, 0, 0, 1)
+    s = TrainSample("g/0", "g", 0, 0, [5, 6, 7], [8, 9], [-1.0, -1.0], [1, 1], 0.0, 0, 0, 1)
     mb = collate([s], [1.0])
     with torch.no_grad():
         logp, ent = token_logprobs(model, mb, entropy=True)
@@ -161,7 +162,7 @@ def test_torch_engine_follows_the_cosine_schedule_and_config_is_checked():
 
 
 def _sample(i, reward, finish="stop", vmin=0, group="g"):
-    return Sample(f"{group}/{i}", group, 0, i, [5], [6, 7], [-1.0, -1.0], [1, 1], reward, vmin, vmin, 4,
+    return TrainSample(f"{group}/{i}", group, 0, i, [5], [6, 7], [-1.0, -1.0], [1, 1], reward, vmin, vmin, 4,
                   group_seq=0, finish_reason=finish)  # fmt: skip
 
 
@@ -172,14 +173,14 @@ class G:
 
 def test_overlong_filter_keeps_truncated_samples_in_the_baseline_only():
     group = G([_sample(0, 1.0), _sample(1, 0.0, "length"), _sample(2, 0.0), _sample(3, 1.0, "length")])
-    plan = plan_step([group], 0, 1, "drop", AdvantageConfig(), overlong_filter=True)
+    plan = plan_step([group], 0, 1, "drop", advantage_config(), overlong_filter=True)
     # grpo over all four rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 / 0.57735 = +-0.866
     assert [s.trajectory_id for s in plan.train] == ["g/0", "g/2"]
     assert [s.trajectory_id for s in plan.overlong] == ["g/1", "g/3"]
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     assert [s.advantage for s in plan.train] == pytest.approx([a, -a])
-    assert sample_weights(plan.train, LossConfig()) == [0.25, 0.25]  # token-mean over the 4 trained tokens
-    off = plan_step([G([_sample(i, float(i % 2), "length") for i in range(4)])], 0, 1, "drop", AdvantageConfig())
+    assert sample_weights(plan.train, loss_config()) == [0.25, 0.25]  # token-mean over the 4 trained tokens
+    off = plan_step([G([_sample(i, float(i % 2), "length") for i in range(4)])], 0, 1, "drop", advantage_config())
     assert len(off.train) == 4 and not off.overlong  # off by default
 
 
@@ -225,8 +226,8 @@ def test_filtered_groups_leave_the_queue_and_late_samples_are_refused():
             s.group_size = 2
             asm.add(s, 0.0)
     out = asm.filter_ready(lambda grp: informative(grp, 0, 1, "drop"))
-    assert sorted(g.group_id for g in out) == ["a", "c"]
-    assert [g.group_id for g in asm.take(1)] == ["b"]
+    assert sorted(g.id for g in out) == ["a", "c"]
+    assert [g.id for g in asm.take(1)] == ["b"]
     late = _sample(2, 1.0, group="a")
     assert asm.add(late, 0.0) == "late"
 

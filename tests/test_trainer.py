@@ -150,7 +150,7 @@ def test_stale_samples_never_reach_the_loss(make_config):
 
     def loss_on(samples):
         for gid in ("g4", "g5"):
-            mine = [s for s in samples if s.group_id == gid]
+            mine = [s for s in samples if s.prompt_group == gid]
             for s, a in zip(mine, advantages.compute([s.reward for s in mine], cfg.trainer.advantage), strict=True):
                 s.advantage = a
         mbs = shard_micro_batches(

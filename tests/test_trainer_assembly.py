@@ -6,14 +6,14 @@ import random
 import pytest
 
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
-from consumers.trainer.batch import Sample, plan_step
-from consumers.trainer.config import AdvantageConfig
+from consumers.trainer.batch import TrainSample, plan_step
+from consumers.trainer.loss_config import advantage_config
 
 
 def S(gid, idx, offset, partition=0, size=3, vmin=0, reward=0.0, seq=-1):
-    return Sample(
+    return TrainSample(
         trajectory_id=f"{gid}/{idx}",
-        group_id=gid,
+        prompt_group=gid,
         partition=partition,
         offset=offset,
         prompt=[1],
@@ -38,7 +38,7 @@ def test_groups_close_when_complete_in_closing_order():
     assert a.take(2) is None
     assert a.add(S("A", 2, 5), 0) == "complete"
     got = a.take(2)
-    assert [g.group_id for g in got] == ["B", "A"] and all(g.complete for g in got)
+    assert [g.id for g in got] == ["B", "A"] and all(g.complete for g in got)
     assert a.add(S("A", 0, 9), 1) == "late"  # a group already taken for a step
 
 
@@ -50,8 +50,8 @@ def test_oldest_groups_are_taken_first():
         a.add(S("old", i, 10 + i, size=2, vmin=3 + i, seq=7), 0)  # closes later, but version_min 3
     a.add(S("mid", 0, 20, size=1, vmin=5, seq=7), 0)
     a.add(S("first", 0, 21, size=1, vmin=9, seq=2), 0)  # the feed's order wins over versions
-    assert [g.group_id for g in a.take(2)] == ["first", "old"]
-    assert [g.group_id for g in a.take(2)] == ["new", "mid"]  # equal seq and version_min: closing order
+    assert [g.id for g in a.take(2)] == ["first", "old"]
+    assert [g.id for g in a.take(2)] == ["new", "mid"]  # equal seq and version_min: closing order
 
 
 def test_duplicate_and_timeout():
@@ -61,9 +61,9 @@ def test_duplicate_and_timeout():
     a.add(S("B", 0, 2), 3.0)
     assert a.expire(4.9) == []
     closed = a.expire(5.0)
-    assert [g.group_id for g in closed] == ["A"] and not closed[0].complete
+    assert [g.id for g in closed] == ["A"] and not closed[0].complete
     assert a.add(S("A", 1, 3), 5.5) == "late"  # closed (queued) groups refuse late samples
-    assert [g.group_id for g in a.take(1)] == ["A"]
+    assert [g.id for g in a.take(1)] == ["A"]
 
 
 def test_plan_step_drops_stale_before_advantages_and_applies_incomplete_policy():
@@ -74,7 +74,7 @@ def test_plan_step_drops_stale_before_advantages_and_applies_incomplete_policy()
     a.add(S("I", 0, 10, vmin=3, reward=1.0), 0)  # incomplete group
     a.expire(2)
     groups = a.take(2)
-    adv = AdvantageConfig(estimator="dr_grpo")
+    adv = advantage_config(estimator="dr_grpo")
     plan = plan_step(groups, version=3, k=1, incomplete_policy="drop", adv_cfg=adv)
     assert [s.trajectory_id for s in plan.stale] == ["F/1"]
     assert [s.trajectory_id for s in plan.train] == ["F/0", "F/2"]
@@ -113,7 +113,7 @@ def test_random_crashes_use_every_record_in_exactly_one_committed_step(seed):
     interleaving, a checkpoint after some steps, crashes at random moments."""
     rng = random.Random(seed)
     G, parts = 2, 3
-    logs: dict[int, list[tuple[int, Sample]]] = {p: [] for p in range(parts)}
+    logs: dict[int, list[tuple[int, TrainSample]]] = {p: [] for p in range(parts)}
     n_groups = 2 * G * rng.randint(3, 6)
     open_groups = []
     next_off = dict.fromkeys(range(parts), 0)
@@ -152,7 +152,7 @@ def test_random_crashes_use_every_record_in_exactly_one_committed_step(seed):
                 off, s = next((o, s) for o, s in logs[p] if o >= pos[p])
                 pos[p] = off + 1
                 if not tracker.seen(p, off):
-                    asm.add(Sample(**{**s.__dict__}), 0)
+                    asm.add(TrainSample(**{**s.__dict__}), 0)
                 continue
             steps_since_ckpt.append([s.trajectory_id for g in groups for s in g.samples])
             for g in groups:

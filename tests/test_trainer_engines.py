@@ -1,15 +1,13 @@
 """Engines without a broker: the config union picks the engine; the torch engine's checkpoint
 restores model, optimizer and schedule exactly; the sim engine trains nothing and counts tokens."""
 
-import functools
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from consumers.trainer.batch import sample_weights, shard_micro_batches  # noqa: E402
 from consumers.trainer.engines import TrainContext, build_engine  # noqa: E402
-from consumers.trainer.losses import micro_batch_loss  # noqa: E402
+from consumers.trainer.losses import LossFn  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.models import materialize  # noqa: E402
 from rlstream.config import load_config  # noqa: E402
@@ -23,7 +21,7 @@ def cfg_of(*extra):
 def step(engine, cfg):
     samples = make_samples()
     mbs = shard_micro_batches(samples, sample_weights(samples, cfg.trainer.loss), 0, 1, 2)
-    return engine.train_step(mbs, functools.partial(micro_batch_loss, cfg=cfg.trainer.loss))
+    return engine.train_step(mbs, LossFn(cfg.trainer.loss))
 
 
 def test_engine_union_is_strict():

@@ -2,14 +2,12 @@
 logprobs come from the weights before the step's first update; the KL reference is the version-0
 model; every loss runs end to end; a step without samples does not touch the weights."""
 
-import functools
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from consumers.trainer.engines import TrainContext, build_engine  # noqa: E402
-from consumers.trainer.losses import micro_batch_loss  # noqa: E402
+from consumers.trainer.losses import LossFn  # noqa: E402
 from consumers.trainer.step import train_samples  # noqa: E402
 from pipeline.models import load_model, materialize  # noqa: E402
 from rlstream.config import load_config  # noqa: E402
@@ -23,7 +21,7 @@ def setup(*extra):
 
 
 def run(cfg, eng, samples, **kw):
-    return train_samples(eng, samples, cfg.trainer, functools.partial(micro_batch_loss, cfg=cfg.trainer.loss), 1, **kw)
+    return train_samples(eng, samples, cfg.trainer, LossFn(cfg.trainer.loss), 1, **kw)
 
 
 def test_decoupled_ppo_proximal_is_the_weights_before_the_first_update():

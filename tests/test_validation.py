@@ -101,12 +101,15 @@ def test_samples_of_a_skipped_update_are_not_reported_used(tmp_path):
         s.advantage = 1.0
     calls = []
 
-    def nan_once(logp, mb):  # the first minibatch's loss (and gradient) is NaN, the second is fine
-        calls.append(mb.ids)
-        loss = (logp * mb.token_mask).sum() * mb.weights.sum()
-        return (loss * math.nan if len(calls) == 1 else loss), {}
+    class NanOnce:  # the first minibatch's loss (and gradient) is NaN, the second is fine
+        needs_entropy = needs_prox_logp = False  # what a step loss declares (losses.LossFn)
 
-    out = train_samples(engine, samples, cfg.trainer, nan_once, step=1)
+        def __call__(self, logp, mb):
+            calls.append(mb.ids)
+            loss = (logp * mb.token_mask).sum() * mb.weights.sum()
+            return (loss * math.nan if len(calls) == 1 else loss), {}
+
+    out = train_samples(engine, samples, cfg.trainer, NanOnce(), step=1)
     assert out["skipped"] == 1 and out["optimizer_steps"] == 2
     assert sorted(out["skipped_ids"]) == sorted(calls[0])
 

@@ -1,7 +1,8 @@
 """Group assembly and exactly-once bookkeeping of consumed offsets. Pure Python, no Kafka calls.
 
-``GroupAssembler`` collects the samples of each ``group_id`` until the group is complete (it has
-``group_size`` samples) or its timeout passes. A trainer step takes G closed groups, oldest
+``GroupAssembler`` collects the samples of each prompt group (``TrainSample.prompt_group``, the
+records' ``group_id``) until the group is complete (it has ``group_size`` samples) or its timeout
+passes. A trainer step takes G closed groups, oldest
 first: lowest ``group_seq`` (the feed's numbering, which admission control counts in; -1, unknown,
 counts as oldest), then lowest ``version_min``, then closing order. With a backlog spread over
 partitions the consumer sees one partition's records before the other's; FIFO by closing order
@@ -72,8 +73,11 @@ class OffsetTracker:
 
 
 @dataclass
-class Group:
-    group_id: str
+class PromptGroup:
+    """The samples of one GRPO prompt group (one prompt, ``size`` samples) seen so far."""
+
+    id: str
+    """The prompt group's id (the records' ``group_id``)."""
     size: int
     first_seen: float
     samples: list = field(default_factory=list)
@@ -96,8 +100,8 @@ class GroupAssembler:
     def __init__(self, timeout_s: float, memory: int = 20_000, trained_ids: list[str] | None = None):
         self.timeout_s = timeout_s
         self.memory = memory
-        self.open: dict[str, Group] = {}
-        self.ready: list[Group] = []
+        self.open: dict[str, PromptGroup] = {}
+        self.ready: list[PromptGroup] = []
         self._closed = 0
         self._queued: set[str] = set()
         self.trained: OrderedDict[str, None] = OrderedDict((g, None) for g in (trained_ids or []))
@@ -111,7 +115,7 @@ class GroupAssembler:
 
     def add(self, sample, now: float) -> str:
         """Add a sample: "added", "complete" (its group just closed), "late" or "duplicate"."""
-        gid = sample.group_id
+        gid = sample.prompt_group
         if gid in self.trained or gid in self._queued:
             return "late"
         members = self.expected.get(gid)
@@ -119,7 +123,7 @@ class GroupAssembler:
             return "late"  # the original run refused it, or it came after the group closed there
         g = self.open.get(gid)
         if g is None:
-            g = self.open[gid] = Group(gid, sample.group_size, now)
+            g = self.open[gid] = PromptGroup(gid, sample.group_size, now)
         elif any(s.trajectory_id == sample.trajectory_id for s in g.samples):
             return "duplicate"
         g.samples.append(sample)
@@ -129,25 +133,23 @@ class GroupAssembler:
             return "complete"
         return "added"
 
-    def expire(self, now: float) -> list[Group]:
+    def expire(self, now: float) -> list[PromptGroup]:
         """Close every open group older than the timeout (incomplete); not the expected ones."""
-        old = [
-            g for g in self.open.values() if now - g.first_seen >= self.timeout_s and g.group_id not in self.expected
-        ]
+        old = [g for g in self.open.values() if now - g.first_seen >= self.timeout_s and g.id not in self.expected]
         for g in old:
             self._close(g, now)
         return old
 
-    def _close(self, g: Group, now: float) -> None:
-        del self.open[g.group_id]
+    def _close(self, g: PromptGroup, now: float) -> None:
+        del self.open[g.id]
         g.closed_at = now
         g.close_order = self._closed
         self._closed += 1
         g.samples.sort(key=lambda s: (s.partition, s.offset))
         self.ready.append(g)
-        self._queued.add(g.group_id)
+        self._queued.add(g.id)
 
-    def take(self, n: int) -> list[Group] | None:
+    def take(self, n: int) -> list[PromptGroup] | None:
         """The ``n`` oldest closed groups (group_seq, version_min, closing order), or None if fewer are ready."""
         if len(self.ready) < n:
             return None
@@ -156,30 +158,30 @@ class GroupAssembler:
         self._consumed(out)
         return out
 
-    def take_ids(self, ids: list[str]) -> list[Group]:
+    def take_ids(self, ids: list[str]) -> list[PromptGroup]:
         """Remove the closed groups ``ids`` (all must be ready) from the queue, in that order."""
         if not ids:
             return []
         want = set(ids)
-        by_id = {g.group_id: g for g in self.ready if g.group_id in want}
+        by_id = {g.id: g for g in self.ready if g.id in want}
         out = [by_id[i] for i in ids]
-        self.ready = [g for g in self.ready if g.group_id not in want]
+        self.ready = [g for g in self.ready if g.id not in want]
         self._consumed(out)
         return out
 
-    def _consumed(self, groups: list[Group]) -> None:
+    def _consumed(self, groups: list[PromptGroup]) -> None:
         """Remember ``groups`` as taken (a late sample of one is refused)."""
         for g in groups:
-            self._queued.discard(g.group_id)
-            self.trained[g.group_id] = None
-            self.expected.pop(g.group_id, None)
+            self._queued.discard(g.id)
+            self.trained[g.id] = None
+            self.expected.pop(g.id, None)
         while len(self.trained) > self.memory:
             self.trained.popitem(last=False)
 
-    def filter_ready(self, keep) -> list[Group]:
+    def filter_ready(self, keep) -> list[PromptGroup]:
         """Remove and return the closed groups for which ``keep(group)`` is False (dynamic sampling)."""
-        kept: list[Group] = []
-        out: list[Group] = []
+        kept: list[PromptGroup] = []
+        out: list[PromptGroup] = []
         for g in self.ready:
             (kept if keep(g) else out).append(g)
         if out:

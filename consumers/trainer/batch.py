@@ -1,4 +1,4 @@
-"""From scored records to a step plan: the ``Sample`` a record decodes to, the step plan (the
+"""From scored records to a step plan: the ``TrainSample`` a record decodes to, the step plan (the
 staleness gate, the incomplete-group policy, advantages, overlong filtering), dynamic sampling's
 test of a group (``informative``), minibatches, and the aggregation weights of docs/losses.md.
 
@@ -24,8 +24,8 @@ from consumers.trainer.staleness import TokenCut, gate, parse_marks
 
 __all__ = [
     "MicroBatch",
-    "Sample",
     "StepPlan",
+    "TrainSample",
     "collate",
     "informative",
     "pack",
@@ -40,7 +40,7 @@ from pipeline.records import VERSIONS_KEY, check_scored
 
 
 @dataclass
-class Sample:
+class TrainSample:
     """One scored trajectory, decoded. ``mask`` has one 0/1 per response token (1 = trained).
 
     The token arrays are numpy arrays when read from Kafka (views of the record's bytes, see
@@ -48,7 +48,8 @@ class Sample:
     sequences (``len``, slices, ``np.asarray``), never as lists."""
 
     trajectory_id: str
-    group_id: str
+    prompt_group: str
+    """The id of its GRPO prompt group (the record's ``group_id``)."""
     partition: int
     offset: int
     prompt: Sequence[int]
@@ -77,8 +78,8 @@ def sample_from_record(
     vocab_size: int | None = None,
     max_len: int | None = None,
     token_versions: bool = False,
-) -> Sample:
-    """A ScoredTrajectory record as a Sample; ``InvalidRecord`` (a DecodeError) if it cannot train:
+) -> TrainSample:
+    """A ScoredTrajectory record as a TrainSample; ``InvalidRecord`` (a DecodeError) if it cannot train:
     inconsistent arrays or versions, non-finite numbers, token ids outside ``vocab_size``, longer
     than ``max_len`` (pipeline.records), or (``token_versions``, the token rule) version marks that
     do not fit the response and its versions."""
@@ -89,9 +90,9 @@ def sample_from_record(
     if token_versions:
         text = (t.get("metadata") or {}).get(VERSIONS_KEY)
         marks = parse_marks(text, len(response), int(t["version_min"]), int(t["version_max"]), tid)
-    return Sample(
+    return TrainSample(
         trajectory_id=tid,
-        group_id=t["group_id"],
+        prompt_group=t["group_id"],
         partition=partition,
         offset=offset,
         prompt=prompt,
@@ -113,16 +114,16 @@ class StepPlan:
     """What one trainer step does with its G closed groups."""
 
     version: int
-    train: list[Sample] = field(default_factory=list)
+    train: list[TrainSample] = field(default_factory=list)
     """Samples that contribute to the gradient, with their advantages set."""
-    stale: list[Sample] = field(default_factory=list)
+    stale: list[TrainSample] = field(default_factory=list)
     """Dropped by the hard bound: ``version - version_min > k`` (token rule: no trainable token
     newer than ``version - k``)."""
-    incomplete_dropped: list[Sample] = field(default_factory=list)
+    incomplete_dropped: list[TrainSample] = field(default_factory=list)
     """Samples of incomplete groups under ``incomplete_groups = "drop"``."""
     incomplete_groups: int = 0
     """Closed groups that had fewer than group_size samples."""
-    overlong: list[Sample] = field(default_factory=list)
+    overlong: list[TrainSample] = field(default_factory=list)
     """Truncated samples masked out by overlong filtering (in their group's baseline, no gradient)."""
 
     def version_lag_counts(self) -> dict[int, int]:
@@ -163,6 +164,7 @@ def plan_step(
     loss mask set to 0 and ``cut`` set (the group's own samples are left as recorded).
     """
     plan = StepPlan(version=version)
+    estimator = advantages.build_advantage(adv_cfg)
     for g in groups:
         if not g.complete:
             plan.incomplete_groups += 1
@@ -180,7 +182,7 @@ def plan_step(
         if not g.complete and incomplete_policy == "drop":
             plan.incomplete_dropped.extend(fresh)
             continue
-        for s, a in zip(fresh, advantages.compute([s.reward for s in fresh], adv_cfg), strict=True):
+        for s, a in zip(fresh, estimator([s.reward for s in fresh]), strict=True):
             s.advantage = a
         for s in fresh:
             (plan.overlong if overlong_filter and s.finish_reason == "length" else plan.train).append(s)
@@ -202,14 +204,14 @@ def informative(
     return max(rewards) - min(rewards) > tol
 
 
-def split_minibatches(samples: list[Sample], n: int, seed: int) -> list[list[Sample]]:
+def split_minibatches(samples: list[TrainSample], n: int, seed: int) -> list[list[TrainSample]]:
     """``n`` near-equal minibatches after a seeded shuffle (every sample in exactly one)."""
     order = list(samples)
     random.Random(seed).shuffle(order)
     return [order[i::n] for i in range(n)]
 
 
-def sample_weights(samples: list[Sample], loss_cfg) -> list[float]:
+def sample_weights(samples: list[TrainSample], loss_cfg) -> list[float]:
     """Per-sample weight w_i such that the step loss is ``sum_i w_i * sum_t mask_it * l_it``.
 
     Computed over the whole minibatch (all micro-batches, all ranks), so accumulation and data

@@ -2,18 +2,20 @@
 ``type``), LoRA, the optimizer and its learning-rate schedule, advantages, the loss, micro-batching
 by tokens and packing, overlong filtering, checkpoints and weight publishing.
 
-Only declarations and bounds live here; the formulas are in ``advantages.py``/``losses.py`` and
-docs/losses.md. Values several roles share (k, n, G) are in ``pipeline.config.RLConfig``.
+Only declarations and bounds live here; the advantage and loss sections (a union per built-in,
+with the deprecated flat keys) are in ``loss_config.py``, the formulas in ``advantages.py``/``losses.py``
+and docs/losses.md. Values several roles share (k, n, G) are in ``pipeline.config.RLConfig``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config import StrictModel
+from consumers.trainer.loss_config import AdvantageConfig, GrpoAdvantageConfig, LossConfig, PPOClipLossConfig
+from pipeline.config import StrictModel, plugin_union
 
 
 class TorchEngineConfig(StrictModel):
@@ -50,7 +52,7 @@ class DeepSpeedEngineConfig(StrictModel):
     """Merged last into the generated DeepSpeed config (e.g. {"zero_optimization": {"overlap_comm": true}})."""
 
 
-class SimEngineConfig(StrictModel):
+class SimTrainEngineConfig(StrictModel):
     """A load generator, NOT a trainer: sleeps ``token_cost_s`` per token of the step's samples and
     leaves the weights unchanged. The rest of the trainer (Kafka, staleness gate, checkpoints,
     WeightUpdates) is real; benchmarks use it to measure the pipeline's scheduling (rlstream/dev/bench/async_sync.py)."""
@@ -60,7 +62,7 @@ class SimEngineConfig(StrictModel):
     """Wall seconds per (prompt + response) token of every trained sample."""
 
 
-EngineConfig = Annotated[TorchEngineConfig | DeepSpeedEngineConfig | SimEngineConfig, Field(discriminator="type")]
+EngineConfig = plugin_union(TorchEngineConfig, DeepSpeedEngineConfig, SimTrainEngineConfig)
 
 
 class OptimConfig(StrictModel):
@@ -92,55 +94,6 @@ class OptimConfig(StrictModel):
         return self
 
 
-class AdvantageConfig(StrictModel):
-    """How a group's rewards become per-sample advantages (docs/losses.md)."""
-
-    estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """grpo: (r - mean)/(std + eps); dr_grpo: r - mean; rloo: r - mean of the others."""
-    eps: float = Field(1e-6, gt=0, le=1.0)
-    """grpo: added to the group's std."""
-    std_unbiased: bool = True
-    """grpo: sample std (n - 1), as TRL and verl do; false: population std (n)."""
-
-
-class LossConfig(StrictModel):
-    """The policy loss (docs/losses.md has every formula). ``ratio`` is pi_theta / pi_behaviour."""
-
-    type: Literal["ppo_clip", "tis", "decoupled_ppo", "cispo", "gspo"] = "ppo_clip"
-    """ppo_clip, tis (truncated importance sampling), decoupled_ppo (AReaL), cispo (MiniMax-M1),
-    gspo (Qwen's group sequence policy optimisation: sequence-level ratio and clipping)."""
-    clip_eps_low: float = Field(0.2, ge=0, le=1.0)
-    """ppo_clip/decoupled_ppo: the ratio is clipped below at 1 - clip_eps_low."""
-    clip_eps_high: float = Field(0.2, ge=0, le=10.0)
-    """ppo_clip/decoupled_ppo: clipped above at 1 + clip_eps_high (DAPO's clip-higher uses 0.28)."""
-    tis_cap: float = Field(2.0, gt=0)
-    """tis: the importance weight min(ratio, tis_cap) (detached) multiplies A * log pi_theta."""
-    behav_weight_cap: float | None = Field(5.0, gt=0)
-    """decoupled_ppo: cap of the behaviour weight pi_prox / pi_behaviour; None: uncapped."""
-    cispo_eps_low: float = Field(1.0, ge=0, le=1.0)
-    """cispo: the detached IS weight is clipped below at 1 - cispo_eps_low (1.0: no lower clip)."""
-    cispo_eps_high: float = Field(4.0, ge=0)
-    """cispo: clipped above at 1 + cispo_eps_high."""
-    gspo_eps_low: float = Field(3e-4, ge=0, le=1.0)
-    """gspo: the sequence ratio s_i is clipped below at 1 - gspo_eps_low (the GSPO paper's 3e-4)."""
-    gspo_eps_high: float = Field(4e-4, ge=0, le=10.0)
-    """gspo: clipped above at 1 + gspo_eps_high (the paper's 4e-4). Pair gspo with
-    ``aggregation = "seq-mean-token-mean"`` to get the paper's objective exactly."""
-    entropy_coef: float = Field(0.0, ge=0, le=1.0)
-    """Entropy bonus: every trained token adds ``-entropy_coef * H(pi_theta(.|context))`` (full
-    vocabulary, with gradient); 0 disables it and its extra pass over the logits."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
-    """How token losses of one optimizer step become a scalar (docs/losses.md)."""
-    norm_tokens: int | None = Field(None, ge=1)
-    """seq-mean-token-sum-norm: the constant token count L (Dr. GRPO); None: the longest response of the step."""
-    kl_coef: float = Field(0.0, ge=0)
-    """beta of the KL penalty to the frozen reference (version-0) model; 0 disables it and its forward pass."""
-    kl_estimator: Literal["k3"] = "k3"
-    """k3 = exp(ref - logp) - (ref - logp) - 1, per token (Schulman's unbiased, non-negative estimator)."""
-
-
 class LoraConfig(StrictModel):
     """LoRA (PEFT): train low-rank adapters on a frozen base; every published version is the
     adapter alone (``WeightUpdate.kind = "adapter"``), applied by the rollout engines."""
@@ -169,10 +122,13 @@ class TrainerConfig(StrictModel):
     lr: float = Field(1e-4, gt=0, le=1.0)
     """Learning rate (after warmup)."""
     engine: EngineConfig = TorchEngineConfig()
-    """The train engine: ``type = "torch"``, ``"deepspeed"``, or ``"sim"`` (a load generator for benchmarks)."""
+    """The train engine: ``type = "torch"``, ``"deepspeed"``, ``"sim"`` (a load generator for benchmarks), or a
+    user engine ``"package.module:Class"`` (settings in ``options``)."""
     optim: OptimConfig = OptimConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
-    loss: LossConfig = LossConfig()
+    advantage: AdvantageConfig = GrpoAdvantageConfig()
+    """``[trainer.advantage]``: ``estimator`` and that estimator's keys (``loss_config.py``)."""
+    loss: LossConfig = PPOClipLossConfig()
+    """``[trainer.loss]``: ``type``, that loss's keys, and the keys every loss shares (``loss_config.py``)."""
     lora: LoraConfig | None = None
     """LoRA adapters on a frozen base (``[trainer.lora]``); None (default): full fine-tuning, full weights published."""
     micro_batch_size: int = Field(8, ge=1, le=4096)

@@ -23,12 +23,23 @@ sequence ratio (a mean over the trained tokens only) nor the aggregation counts.
 
 The micro-batch loss is ``sum_i w_i sum_t mask_it l_it`` with the aggregation weights ``w_i`` of
 ``batch.sample_weights``; per-sample values reach their tokens through ``MicroBatch.per_token``
-(padded rows or packed segments alike). Not an optimizer or a trainer: engines call a ``LossFn``.
+(padded rows or packed segments alike).
+
+Every policy loss is a ``Loss`` (an object with a declared interface and capabilities) in the
+registry ``LOSSES``, chosen by ``[trainer.loss] type``; a user loss is named by its dotted path
+(``type = "my_pkg.losses:MyLoss"``, a ``Loss`` subclass or a plain function). Not an optimizer or
+a trainer: engines call a ``LossFn``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
 import torch
+
+from pipeline.errors import ConfigError
+from pipeline.plugins import Registry
 
 
 def ppo_clip(logp, old_logp, adv, eps_low: float, eps_high: float):
@@ -100,24 +111,107 @@ def behaviour_logp(logp, mb):
     return torch.where(mb.token_mask > 0, mb.old_logp.to(logp.dtype), logp.detach())
 
 
-def token_loss(logp, mb, cfg):
-    """Per-token loss [b, T-1] and per-token statistics for ``cfg`` (a ``LossConfig``)."""
+class Loss(ABC):
+    """A policy loss: what every built-in is, and what a user loss (``[trainer.loss] type =
+    "my_pkg.losses:MyLoss"``, its settings in ``options``) subclasses. Built as ``cls(config)``,
+    ``config`` its ``[trainer.loss]`` section (``loss_config.py``).
+
+    ``__call__(logp, old_logp, adv, mb)`` returns the per-token loss ``[b, T-1]`` (before the token
+    mask, the aggregation weights and the shared KL and entropy terms, which ``LossFn`` adds) and
+    ``{name: per-token tensor}`` statistics (averaged over trained tokens in the metrics).
+    ``logp``: the current policy's logprobs (with gradient); ``old_logp``: the behaviour
+    logprobs (``sg(logp)`` on untrained positions); ``adv``: each token's advantage; ``mb``: the
+    ``MicroBatch`` (``token_mask``, ``segments``, ``prox_logp``, ...).
+
+    What a loss needs beyond that is declared, never probed:"""
+
+    needs_prox_logp: ClassVar[bool] = False
+    """The step recomputes ``mb.prox_logp`` (the weights before the step's first update) for it."""
+    needs_entropy: ClassVar[bool] = False
+    """It is called with ``entropy=``, the per-token entropy of the policy (with gradient)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @abstractmethod
+    def __call__(self, logp, old_logp, adv, mb, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token loss and statistics (``entropy=`` too when ``needs_entropy``)."""
+
+
+class FunctionLoss(Loss):
+    """A plain function ``fn(logp, old_logp, adv, mb) -> (loss, stats)`` as a ``Loss`` (no capabilities)."""
+
+    def __init__(self, fn, config):
+        super().__init__(config)
+        self.fn = fn
+
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        return self.fn(logp, old_logp, adv, mb)
+
+
+class PPOClip(Loss):
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        return ppo_clip(logp, old_logp, adv, self.config.eps_low, self.config.eps_high)
+
+
+class TIS(Loss):
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        return tis(logp, old_logp, adv, self.config.cap)
+
+
+class DecoupledPPO(Loss):
+    needs_prox_logp = True
+
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        c = self.config
+        prox = None if mb.prox_logp is None else mb.prox_logp.to(logp.dtype)
+        return decoupled_ppo(logp, old_logp, prox, adv, c.eps_low, c.eps_high, c.behav_weight_cap)
+
+
+class CISPO(Loss):
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        return cispo(logp, old_logp, adv, self.config.eps_low, self.config.eps_high)
+
+
+class GSPO(Loss):
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        mask = mb.token_mask.to(logp.dtype)
+        return gspo(logp, old_logp, adv, mask, self.config.eps_low, self.config.eps_high, mb.segments)
+
+
+LOSSES = Registry("loss", hint="package.module:Name (a consumers.trainer.losses.Loss subclass or a function)")
+"""``[trainer.loss] type`` -> a ``Loss`` subclass (or a function); a dotted ``module:Name`` works too."""
+for _name, _cls in {
+    "ppo_clip": PPOClip,
+    "tis": TIS,
+    "decoupled_ppo": DecoupledPPO,
+    "cispo": CISPO,
+    "gspo": GSPO,
+}.items():
+    LOSSES.register(_name, _cls)
+
+
+def build_loss(cfg) -> Loss:
+    """The policy loss ``cfg.type`` names (a built-in, or ``module:Name``), built with ``cfg``."""
+    obj = LOSSES.get(cfg.type)
+    if isinstance(obj, type) and issubclass(obj, Loss):
+        return obj(cfg)
+    if callable(obj) and not isinstance(obj, type):
+        return FunctionLoss(obj, cfg)
+    raise ConfigError(f"loss {cfg.type!r} is neither a subclass of {Loss.__module__}.Loss nor a function")
+
+
+def token_loss(logp, mb, cfg, policy: Loss | None = None, entropy=None):
+    """Per-token loss [b, T-1] and per-token statistics of ``policy`` (default: ``cfg``'s) plus
+    the KL penalty of ``cfg`` (a ``[trainer.loss]`` section)."""
+    policy = build_loss(cfg) if policy is None else policy
     adv = mb.per_token(mb.advantages.to(logp.dtype))
     old = behaviour_logp(logp, mb)
-    if cfg.type == "ppo_clip":
-        loss, stats = ppo_clip(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
-    elif cfg.type == "tis":
-        loss, stats = tis(logp, old, adv, cfg.tis_cap)
-    elif cfg.type == "decoupled_ppo":
-        prox = None if mb.prox_logp is None else mb.prox_logp.to(logp.dtype)
-        loss, stats = decoupled_ppo(logp, old, prox, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap)
-    elif cfg.type == "cispo":
-        loss, stats = cispo(logp, old, adv, cfg.cispo_eps_low, cfg.cispo_eps_high)
-    elif cfg.type == "gspo":
-        mask = mb.token_mask.to(logp.dtype)
-        loss, stats = gspo(logp, old, adv, mask, cfg.gspo_eps_low, cfg.gspo_eps_high, mb.segments)
+    if policy.needs_entropy:
+        loss, stats = policy(logp, old, adv, mb, entropy=entropy)
     else:
-        raise ValueError(f"unknown loss {cfg.type!r}")
+        loss, stats = policy(logp, old, adv, mb)
+    stats = dict(stats)
     if cfg.kl_coef > 0:
         if mb.ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")
@@ -127,13 +221,15 @@ def token_loss(logp, mb, cfg):
     return loss, stats
 
 
-def micro_batch_loss(logp, mb, cfg, entropy=None):
+def micro_batch_loss(logp, mb, cfg, entropy=None, policy: Loss | None = None):
     """Scalar loss of one micro-batch and ``{stat: (sum, count)}`` over its trained tokens.
-    ``entropy``: per-token policy entropy (needed when ``cfg.entropy_coef > 0``)."""
-    loss_tok, stats = token_loss(logp, mb, cfg)
+    ``entropy``: per-token policy entropy (needed when ``cfg.entropy_coef > 0`` or the policy
+    loss ``needs_entropy``)."""
+    policy = build_loss(cfg) if policy is None else policy
+    if entropy is None and (cfg.entropy_coef > 0 or policy.needs_entropy):
+        raise ValueError("entropy_coef > 0 needs the per-token entropy (use LossFn, engines compute it)")
+    loss_tok, stats = token_loss(logp, mb, cfg, policy, entropy)
     if cfg.entropy_coef > 0:
-        if entropy is None:
-            raise ValueError("entropy_coef > 0 needs the per-token entropy (use LossFn, engines compute it)")
         loss_tok = loss_tok - cfg.entropy_coef * entropy.to(logp.dtype)
         stats["entropy"] = entropy.detach()
     mask = mb.token_mask.to(logp.dtype)
@@ -146,15 +242,17 @@ def micro_batch_loss(logp, mb, cfg, entropy=None):
 
 
 class LossFn:
-    """The engines' ``loss_fn(logp, mb, entropy=None) -> (loss, stats)`` for one ``LossConfig``;
-    ``needs_entropy`` tells an engine to compute the per-token entropy from the logits."""
+    """The engines' ``loss_fn(logp, mb, entropy=None) -> (loss, stats)`` for one ``[trainer.loss]``
+    section: its policy loss (built once), the KL penalty, the entropy bonus, the aggregation
+    weights. Its capabilities, read by the engines and the step: ``needs_entropy`` (compute the
+    per-token entropy from the logits) and ``needs_prox_logp`` (recompute the proximal logprobs
+    before the step's first update)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, policy: Loss | None = None):
         self.cfg = cfg
-
-    @property
-    def needs_entropy(self) -> bool:
-        return self.cfg.entropy_coef > 0
+        self.policy = build_loss(cfg) if policy is None else policy
+        self.needs_prox_logp: bool = self.policy.needs_prox_logp
+        self.needs_entropy: bool = cfg.entropy_coef > 0 or self.policy.needs_entropy
 
     def __call__(self, logp, mb, entropy=None):
-        return micro_batch_loss(logp, mb, self.cfg, entropy)
+        return micro_batch_loss(logp, mb, self.cfg, entropy, self.policy)

@@ -28,9 +28,9 @@ from pipeline.records import HF_DIR_KEY, adapter_fields
 
 
 def base_model_dir(engine, model_dir=None) -> Path:
-    """The HF directory the trainer's model came from: ``model_dir`` if given, else the one its
-    config was loaded from (``engine.config.name_or_path``, which every train engine sets)."""
-    path = model_dir or getattr(getattr(engine, "config", None), "name_or_path", "")
+    """The HF directory the trainer's model came from: ``model_dir`` if given, else the one the
+    engine loaded it from (``engine.name_or_path``)."""
+    path = model_dir or engine.name_or_path
     if not path or not (Path(path) / "config.json").is_file():
         raise RlstreamError(
             f"trainer.publish_hf: cannot find the model directory to copy config and tokenizer from ({path!r})"

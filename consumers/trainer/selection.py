@@ -9,7 +9,7 @@ while the step must wait.
   closing order) as soon as G are closed. Which groups those are depends on the order in which the
   consumer fetched the partitions.
 * ``SequenceSelector`` (``sequence``): deterministic on a finished log. A step is planned only once
-  the trainer has read rl.scored to its end, and groups are taken in (group_seq, group_id) order:
+  the trainer has read rl.scored to its end, and groups are taken in (group_seq, prompt group id) order:
   the walk from the oldest group filters (dynamic sampling) or takes closed groups and stops at the
   first group still open (it closes when complete or at ``group_timeout_s``, with the same content
   whatever the fetch order) or when it has G. So the steps are a function of the log alone.
@@ -103,7 +103,7 @@ class SequenceSelector:
         if not at_end:
             return [], None
         filtered, chosen = [], []
-        for g in sorted([*asm.ready, *asm.open.values()], key=lambda g: (g.group_seq, g.group_id)):
+        for g in sorted([*asm.ready, *asm.open.values()], key=lambda g: (g.group_seq, g.id)):
             if g.closed_at is None:
                 break  # an older group is still assembling: wait for it
             if keep is not None and not keep(g):
@@ -112,10 +112,10 @@ class SequenceSelector:
             chosen.append(g)
             if len(chosen) == self.G:
                 break
-        asm.take_ids([g.group_id for g in filtered])
+        asm.take_ids([g.id for g in filtered])
         if len(chosen) < self.G:
             return filtered, None
-        return filtered, asm.take_ids([g.group_id for g in chosen])
+        return filtered, asm.take_ids([g.id for g in chosen])
 
 
 class ScheduleSelector:
@@ -134,7 +134,7 @@ class ScheduleSelector:
         st = self.schedule[step]
         if st.version != version:
             raise ScheduleError(f"scheduled step {st.step} was at version {st.version}, this trainer is at {version}")
-        ready = {g.group_id for g in asm.ready}
+        ready = {g.id for g in asm.ready}
         missing = [g for g in (*st.groups, *st.filtered_groups) if g not in ready]
         if not missing:
             return asm.take_ids(list(st.filtered_groups)), asm.take_ids(list(st.groups))

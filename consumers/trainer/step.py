@@ -15,9 +15,9 @@ from consumers.trainer.batch import sample_weights, shard_micro_batches, split_b
 from consumers.trainer.engines.base import all_reduce_sums, token_logprobs
 
 
-def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> tuple[list[list], list[list]]:
+def prepare(engine, samples, trainer_cfg, loss_fn, step: int, ref=None) -> tuple[list[list], list[list]]:
     """The minibatches (every rank's samples) and, per minibatch, this rank's micro-batches with
-    ``prox_logp``/``ref_logp`` filled when needed."""
+    ``prox_logp`` (when ``loss_fn.needs_prox_logp``) and ``ref_logp`` (with ``ref``) filled."""
     tc = trainer_cfg
     minis = [
         part
@@ -38,7 +38,7 @@ def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> tuple[list[lis
         )
         for m in minis
     ]
-    if tc.loss.type == "decoupled_ppo":  # proximal policy = the weights before this step's first update
+    if loss_fn.needs_prox_logp:  # proximal policy = the weights before this step's first update
         for mbs in plans:
             for mb, lp in zip(mbs, engine.compute_logprobs(mbs), strict=True):
                 mb.prox_logp = lp
@@ -48,9 +48,7 @@ def prepare(engine, samples, trainer_cfg, step: int, ref=None) -> tuple[list[lis
         with torch.no_grad():
             for mbs in plans:
                 for mb in mbs:
-                    mb.ref_logp = token_logprobs(
-                        ref, mb.to(engine.device), autocast_dtype=getattr(engine, "autocast", None)
-                    ).cpu()
+                    mb.ref_logp = token_logprobs(ref, mb.to(engine.device), autocast_dtype=engine.autocast).cpu()
     return minis, plans
 
 
@@ -64,7 +62,7 @@ def train_samples(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, on
     out["skipped_ids"] = []
     if not samples:  # nothing to learn from: no update (Adam's momentum would still move weights)
         return out
-    minis, plans = prepare(engine, samples, trainer_cfg, step, ref)
+    minis, plans = prepare(engine, samples, trainer_cfg, loss_fn, step, ref)
     world = engine.world_size
     stats: dict[str, list[float]] = {}
     for mini, mbs in zip(minis, plans, strict=True):

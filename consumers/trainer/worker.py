@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from consumers.trainer.accounting import account_step
+from consumers.trainer.advantages import build_advantage
 from consumers.trainer.assembler import GroupAssembler, OffsetTracker
 from consumers.trainer.batch import informative, plan_step, sample_from_record
 from consumers.trainer.engines import TrainContext, build_engine
@@ -78,6 +79,7 @@ class Trainer(Worker):
         self.producer = self.consumer = self.metrics = None
         self.step = self.version = 0
         self._closed = False
+        self._last_commit: list | None = None  # the floors last committed to the consumer group
 
     def setup(self) -> None:
         cfg, tc = self.cfg, self.tc
@@ -87,7 +89,7 @@ class Trainer(Worker):
         model_dir = materialize(cfg.model)
         self.engine = build_engine(tc.engine, TrainContext(model_dir, tc))
         self.rank, self.world = self.engine.rank, self.engine.world_size
-        mcfg = getattr(self.engine, "config", None)  # what only the trainer can check: ids and lengths
+        mcfg = self.engine.model_config  # what only the trainer can check: ids and lengths
         self._vocab = getattr(mcfg, "vocab_size", None)
         self._max_len = getattr(mcfg, "max_position_embeddings", None)
         if tc.packing:
@@ -95,7 +97,8 @@ class Trainer(Worker):
         self.ref = None
         if tc.loss.kl_coef > 0:
             self.ref = load_model(model_dir, device=str(self.engine.device)).eval().requires_grad_(False)
-        self.loss_fn = LossFn(tc.loss)
+        self.loss_fn = LossFn(tc.loss)  # a user loss or estimator that cannot be built fails here, at start
+        build_advantage(tc.advantage)
         self.version = self.step = 0
         self._pending_log: list[dict] = []
         self._base_sha = (
@@ -230,7 +233,7 @@ class Trainer(Worker):
         if filtered:
             self._filtered.extend(filtered)
             self._filtered_since_pub += len(filtered)
-            log.debug("filtered groups %s", kv(groups=[g.group_id for g in filtered], version=self.version))
+            log.debug("filtered groups %s", kv(groups=[g.id for g in filtered], version=self.version))
         return groups
 
     def _caught_up(self) -> bool:
@@ -268,7 +271,7 @@ class Trainer(Worker):
             msgs = ([first] if first is not None else []) + self.consumer.consume(5000, 0)
             self._ingest(msgs)
             for g in self.assembler.expire(time.monotonic()):
-                log.warning("closed incomplete group %s", kv(group=g.group_id, have=len(g.samples), want=g.size))
+                log.warning("closed incomplete group %s", kv(group=g.id, have=len(g.samples), want=g.size))
             self.metrics.set("open_groups", len(self.assembler.open))
             self.metrics.set("ready_groups", len(self.assembler.ready))
             if self.selector.needs_end:
@@ -423,7 +426,7 @@ class Trainer(Worker):
         try:
             if self.metrics is not None and not self.failed:
                 self.metrics.publish()
-            if getattr(self, "_last_commit", None) and not self.failed:  # the last floors, before leaving
+            if self._last_commit and not self.failed:  # the last floors, before leaving
                 try:
                     self.consumer.commit(self._last_commit)
                 except KafkaClientError as exc:  # lag display only

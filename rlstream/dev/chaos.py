@@ -40,8 +40,8 @@ from rich.markup import escape
 
 from pipeline.config import cli_overrides, load_tree, merge, validate
 from pipeline.log import kv, setup_logging
-from rlstream.dev import chaos_audit
 from rlstream.demo import TASK, demo_settings, write_task
+from rlstream.dev import chaos_audit
 from rlstream.launcher import Launcher, RoleSpec, standard_roles
 from rlstream.supervisor import RestartPolicy
 

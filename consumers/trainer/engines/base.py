@@ -4,7 +4,8 @@ linear or cosine decay), and small torch.distributed helpers (rank/world from th
 environment, object broadcast, sums across ranks).
 
 An engine owns the trained model and its optimizer. It does not know about Kafka, versions or
-losses: ``train_step`` takes micro-batches and a ``loss_fn(logp, mb) -> (loss, stats)``. Every
+losses: ``train_step`` takes micro-batches and a ``loss_fn(logp, mb) -> (loss, stats)``
+(``losses.LossFn``, which declares ``needs_entropy``: then it is called with ``entropy=`` too). Every
 engine is built as ``Engine(config, ctx: TrainContext)``: its own section (``trainer.engine``)
 and the trainer's settings it needs (learning rate, optimizer, seed, collective timeout).
 """
@@ -138,7 +139,7 @@ def token_logprobs(model, mb, entropy: bool = False, autocast_dtype=None):
     import torch
 
     kw = {"input_ids": mb.input_ids, "use_cache": False}
-    if getattr(mb, "position_ids", None) is not None:
+    if mb.position_ids is not None:
         kw["position_ids"] = mb.position_ids
     else:
         kw["attention_mask"] = mb.attention_mask
@@ -192,7 +193,7 @@ def _pad_front(t, n: int):
 
 def forward_loss(model, mb, loss_fn, autocast_dtype=None):
     """Logprobs (and entropies when ``loss_fn.needs_entropy``) of ``mb``, then ``loss_fn``."""
-    if getattr(loss_fn, "needs_entropy", False):
+    if loss_fn.needs_entropy:
         logp, ent = token_logprobs(model, mb, entropy=True, autocast_dtype=autocast_dtype)
         return loss_fn(logp, mb, entropy=ent)
     return loss_fn(token_logprobs(model, mb, autocast_dtype=autocast_dtype), mb)
@@ -200,12 +201,25 @@ def forward_loss(model, mb, loss_fn, autocast_dtype=None):
 
 class TrainEngine(ABC):
     """One interface for every engine. All methods are collective under data parallelism: every
-    rank calls them in the same order. Subclasses take ``(config, ctx: TrainContext)``."""
+    rank calls them in the same order. Subclasses take ``(config, ctx: TrainContext)``.
+
+    What an engine can do and what the trainer reads from it are declared here, never probed:
+    ``multi_process``, ``weights_kind``, ``autocast``, ``model_config`` (and from it
+    ``name_or_path`` and ``pad_id``), ``rank``/``world_size``/``device``."""
 
     multi_process: bool = True
-    """Capability: runs under torchrun / the deepspeed launcher with several ranks."""
+    """Capability (of the class): runs under torchrun / the deepspeed launcher with several ranks."""
     weights_kind: str = "full"
     """What ``state_dict`` returns: ``full`` weights, or a LoRA ``adapter`` (then ``adapter_config``)."""
+    autocast: Any = None
+    """The torch dtype the model's forward runs under (mixed precision, ``torch.autocast``), or
+    None; the trainer runs the reference model's forward (KL penalty) under it too."""
+    config: Any = None
+    """The engine's own config section (``trainer.engine``)."""
+    model_config: Any = None
+    """The Hugging Face config of the trained model (``PretrainedConfig``: vocabulary size, context
+    length, pad token, attention implementation, the directory it was loaded from); every engine
+    sets it when it loads the model."""
     rank: int = 0
     world_size: int = 1
     device = "cpu"
@@ -240,5 +254,10 @@ class TrainEngine(ABC):
     def lr(self) -> float: ...
 
     @property
+    def name_or_path(self) -> str:
+        """The HF directory the model was loaded from (``model_config.name_or_path``)."""
+        return str(self.model_config.name_or_path or "")
+
+    @property
     def pad_id(self) -> int:
-        return int(getattr(self.config, "pad_token_id", None) or 0)
+        return int(self.model_config.pad_token_id or 0)

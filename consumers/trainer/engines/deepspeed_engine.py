@@ -89,7 +89,7 @@ class DeepSpeedEngine(TrainEngine):
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        self.cfg = trainer_cfg
+        self.config, self.cfg = config, trainer_cfg
         timeout = timedelta(seconds=trainer_cfg.dist_timeout_s)
         if "RANK" not in os.environ:  # one process without a launcher: a private one-rank group
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -99,7 +99,7 @@ class DeepSpeedEngine(TrainEngine):
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         torch.manual_seed(trainer_cfg.seed)
         module = load_model(model_dir, dtype="float32", device="cpu")
-        self.config = module.config
+        self.model_config = module.config
         if config.gradient_checkpointing:
             module.gradient_checkpointing_enable()
         self.lora = trainer_cfg.lora
@@ -125,10 +125,10 @@ class DeepSpeedEngine(TrainEngine):
         )
         self.module = self.engine.module
         self.device = self.engine.device
-        self.stage = trainer_cfg.engine.zero_stage
+        self.stage = config.zero_stage
         log.info(
             "deepspeed engine ready %s",
-            kv(zero_stage=self.stage, world=self.world_size, device=self.device, dtype=trainer_cfg.engine.dtype),
+            kv(zero_stage=self.stage, world=self.world_size, device=self.device, dtype=config.dtype),
         )
 
     @property

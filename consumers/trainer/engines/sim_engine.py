@@ -4,7 +4,8 @@
 changes no weight; ``state_dict`` returns the unchanged initial model, so WeightUpdates still name
 real, verifiable checkpoints. Everything around it (consumer, group assembly, staleness gate,
 checkpoints, notices, metrics) is the real trainer, which is what benchmarks of the pipeline's
-scheduling measure. One process only.
+scheduling measure. One process only (``multi_process = False``). Not the rollout side's ``sim``
+engine (``libs.engines.sim``).
 """
 
 from __future__ import annotations
@@ -14,22 +15,18 @@ import time
 from pathlib import Path
 
 from consumers.trainer.engines.base import StepResult, TrainContext, TrainEngine, dist_env
-from pipeline.errors import ConfigError
 from pipeline.models import load_model
 
 
-class SimEngine(TrainEngine):
+class SimTrainEngine(TrainEngine):
     multi_process = False
 
     def __init__(self, config, ctx: TrainContext):
         trainer_cfg, model_dir = ctx.trainer, ctx.model_dir
-        self.cfg = trainer_cfg
-        self.engine_cfg = config
+        self.config, self.cfg = config, trainer_cfg
         self.rank, self.world_size, _ = dist_env()
-        if self.world_size != 1:
-            raise ConfigError("trainer.engine.type = 'sim' runs in one process (no torchrun)")
         self.module = load_model(model_dir, device="cpu")
-        self.config = self.module.config
+        self.model_config = self.module.config
         self.tokens = 0
         self.steps = 0
 
@@ -39,7 +36,7 @@ class SimEngine(TrainEngine):
 
     def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> StepResult:
         tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches if mb.ids)
-        time.sleep(self.engine_cfg.token_cost_s * tokens)
+        time.sleep(self.config.token_cost_s * tokens)
         self.tokens += tokens
         self.steps += 1
         return StepResult(loss=0.0, grad_norm=0.0, lr=self.lr, stats={}, grads={} if capture_grads else None)

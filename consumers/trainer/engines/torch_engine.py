@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 class TorchEngine(TrainEngine):
     def __init__(self, config, ctx: TrainContext):
         ecfg, trainer_cfg, model_dir = config, ctx.trainer, ctx.model_dir
-        self.cfg = trainer_cfg
+        self.config, self.cfg = ecfg, trainer_cfg
         self.rank, self.world_size, local = dist_env()
         use_cuda = ecfg.device == "cuda" or (ecfg.device == "auto" and torch.cuda.is_available())
         self.device = torch.device(f"cuda:{local}" if use_cuda else "cpu")
@@ -56,7 +56,7 @@ class TorchEngine(TrainEngine):
         torch.manual_seed(trainer_cfg.seed)
         self.autocast = torch.bfloat16 if ecfg.dtype == "bfloat16" else None
         self.module = load_model(model_dir, dtype="float32", device=str(self.device))  # float32 masters
-        self.config = self.module.config
+        self.model_config = self.module.config
         if ecfg.gradient_checkpointing:
             self.module.gradient_checkpointing_enable()
         self.lora = trainer_cfg.lora
