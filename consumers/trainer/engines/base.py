@@ -32,7 +32,7 @@ class TrainContext:
 
 
 @dataclass
-class StepResult:
+class TrainStepResult:
     """What one optimizer step did on this rank."""
 
     loss: float
@@ -225,7 +225,7 @@ class TrainEngine(ABC):
     device = "cpu"
 
     @abstractmethod
-    def train_step(self, micro_batches: list, loss_fn, capture_grads: bool = False) -> StepResult:
+    def train_step(self, micro_batches: list, loss_fn, capture_grads: bool = False) -> TrainStepResult:
         """One optimizer step over this rank's ``micro_batches`` (gradients accumulate)."""
 
     @abstractmethod

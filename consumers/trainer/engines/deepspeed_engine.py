@@ -26,9 +26,9 @@ import torch
 
 from consumers.trainer.engines import lora
 from consumers.trainer.engines.base import (
-    StepResult,
     TrainContext,
     TrainEngine,
+    TrainStepResult,
     forward_loss,
     lr_lambda,
     merge_stats,
@@ -135,7 +135,7 @@ class DeepSpeedEngine(TrainEngine):
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> StepResult:
+    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> TrainStepResult:
         from deepspeed.utils import safe_get_full_grad
 
         total, stats = 0.0, {}
@@ -160,7 +160,7 @@ class DeepSpeedEngine(TrainEngine):
         self.engine.step()
         gn = self.engine.get_global_grad_norm()
         grad_norm = float(gn) if gn is not None else float("nan")
-        return StepResult(loss=total, grad_norm=grad_norm, lr=self.lr, stats=stats, grads=grads)
+        return TrainStepResult(loss=total, grad_norm=grad_norm, lr=self.lr, stats=stats, grads=grads)
 
     @torch.no_grad()
     def compute_logprobs(self, micro_batches) -> list:

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from consumers.trainer.engines.base import StepResult, TrainContext, TrainEngine, dist_env
+from consumers.trainer.engines.base import TrainContext, TrainEngine, TrainStepResult, dist_env
 from pipeline.models import load_model
 
 
@@ -34,12 +34,12 @@ class SimTrainEngine(TrainEngine):
     def lr(self) -> float:
         return float(self.cfg.lr)
 
-    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> StepResult:
+    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> TrainStepResult:
         tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches if mb.ids)
         time.sleep(self.config.token_cost_s * tokens)
         self.tokens += tokens
         self.steps += 1
-        return StepResult(loss=0.0, grad_norm=0.0, lr=self.lr, stats={}, grads={} if capture_grads else None)
+        return TrainStepResult(loss=0.0, grad_norm=0.0, lr=self.lr, stats={}, grads={} if capture_grads else None)
 
     def compute_logprobs(self, micro_batches) -> list:
         return [mb.old_logp.clone() for mb in micro_batches]  # the behaviour policy stands in

@@ -23,9 +23,9 @@ import torch
 
 from consumers.trainer.engines import lora
 from consumers.trainer.engines.base import (
-    StepResult,
     TrainContext,
     TrainEngine,
+    TrainStepResult,
     dist_env,
     forward_loss,
     lr_lambda,
@@ -85,7 +85,7 @@ class TorchEngine(TrainEngine):
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> StepResult:
+    def train_step(self, micro_batches, loss_fn, capture_grads: bool = False) -> TrainStepResult:
         self.optimizer.zero_grad(set_to_none=True)
         total, stats = 0.0, {}
         last = len(micro_batches) - 1
@@ -112,7 +112,7 @@ class TorchEngine(TrainEngine):
         else:
             self.optimizer.step()
             self.scheduler.step()
-        return StepResult(loss=total, grad_norm=grad_norm, lr=self.lr, stats=stats, skipped=skipped, grads=grads)
+        return TrainStepResult(loss=total, grad_norm=grad_norm, lr=self.lr, stats=stats, skipped=skipped, grads=grads)
 
     @torch.no_grad()
     def compute_logprobs(self, micro_batches) -> list:
