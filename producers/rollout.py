@@ -8,14 +8,11 @@ per-partition queue (``rollout.queue_samples``) and are admitted, oldest group f
 the look-ahead (``rollout.prefetch_samples``) free; a partition is paused only when its share of the
 queue is full, since a pause drops librdkafka's fetched messages and a resume waits for a fetch.
 
-Commit protocol (``producers.ledger``): a prompt offset is committed only after every trajectory
-of that message (or its dead letter) has been acknowledged by the broker, in offset order per
-partition. On a cooperative rebalance the worker finishes the admitted messages of the revoked
-partitions, flushes and commits them before giving them up; queued (unadmitted) ones are left
-to the next owner. A crash (kill -9) loses nothing: uncommitted prompts are generated again by the
-next owner, so rl.rollouts is at-least-once and ``trajectory_id`` is the deduplication key. A
-partition that is re-delivered from an earlier offset (a rewind after a rebalance) starts a new
-ledger generation: what was in flight for it still gets published, nothing of it is committed.
+Commit protocol (``producers.commits`` over ``producers.ledger``): a prompt offset is committed
+only after every trajectory of that message (or its dead letter) is acknowledged, in offset order
+per partition; a revoked partition's admitted messages are finished and committed before it goes.
+A crash (kill -9) loses nothing: uncommitted prompts are generated again by the next owner, so
+rl.rollouts is at-least-once and ``trajectory_id`` is the deduplication key.
 A message and a copy of it (the same group fed twice, or a re-delivery while the first is still
 generating) are both generated, each sample under its own engine request id; the trainer drops
 the repeated trajectory ids.
@@ -41,18 +38,18 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from libs.chat import render, uses_template
+from libs.chat import prompt_tokens
 from libs.engines import EngineContext, GenOutput, build_engine
 from pipeline.control import now_ms
-from pipeline.errors import ConsumeError, DecodeError
-from pipeline.kafka import Consumer, Producer, TopicPartition, client_conf, decode_message
+from pipeline.errors import DecodeError
+from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from pipeline.records import InvalidRecord, check_prompt
 from pipeline.worker import Worker
+from producers.commits import PromptCommits
 from producers.envs import EnvContext, env_factory
 from producers.holding import SampleHold, StaleRestarts
-from producers.ledger import OffsetLedger
 from producers.prompt_queue import PromptQueue
 from producers.sample import Sample
 from producers.weights import WeightSync
@@ -71,7 +68,8 @@ class RolloutWorker(Worker):
         self.engine, self.tokenizer = engine, tokenizer
         self.topics = {r: cfg.topics.name(r) for r in ("prompts", "rollouts", "dlq", "metrics")}
         self.producer = self.consumer = self.weights = self.metrics = None
-        self.ledger = OffsetLedger()
+        self.commits: PromptCommits | None = None
+        """Prompt offsets: ledger, commits, rebalance bookkeeping (``producers.commits``)."""
         self.ready: deque[Sample] = deque()  # admitted, not started
         self.running: dict[str, tuple[Sample, object]] = {}  # engine request id -> (sample, request)
         self.env_pool = ThreadPoolExecutor(self.rc.env.workers, thread_name_prefix="env-step")
@@ -80,9 +78,6 @@ class RolloutWorker(Worker):
         """Consumed prompt messages, not admitted yet (``rollout.queue_samples``)."""
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
         self._last_work = time.monotonic()
-        self._last_commit = 0.0
-        self.to_commit: dict[tuple[str, int], int] = {}
-        self._commit_failures = 0
         pf = cfg.rollout.prefetch_samples
         self._prefetch = cfg.rollout.max_inflight if pf is None else pf
         """Admitted samples kept beyond the free slots (look-ahead)."""
@@ -117,10 +112,11 @@ class RolloutWorker(Worker):
         if self.weights.catch_up(self.liveness.startup_timeout_s) is not None and self.weights.pending:
             self.weights.wait_loadable(self.liveness.slow_op_s)
             self._load()
-        cconf = {**client_conf(cfg, "rollout", wid, kind="consumer"), "on_commit": self._on_commit}
+        self.commits = PromptCommits(self.metrics, cfg.kafka.request_timeout_s + 30, self.section)
+        cconf = {**client_conf(cfg, "rollout", wid, kind="consumer"), "on_commit": self.commits.on_commit}
         self.consumer = Consumer(cconf, group_id=self.rc.group_id)
         self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
-        self.consumer.subscribe([self.topics["prompts"]], on_revoke=self._on_revoke, on_lost=self._on_lost)
+        self.commits.subscribe(self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed)
         self._last_work = time.monotonic()  # idle time counts from here, not from construction
         log.info("rollout worker started %s", kv(worker=wid, engine=self.engine.name, version=self.engine.version))
 
@@ -134,7 +130,7 @@ class RolloutWorker(Worker):
 
     def finish(self) -> None:
         self._drain(lambda tp: True)
-        self._commit(force=True)
+        self.commits.commit(force=True)
 
     def close(self) -> None:
         try:
@@ -162,7 +158,7 @@ class RolloutWorker(Worker):
         return ids[0]
 
     def _busy(self) -> bool:
-        return bool(self.ready or self.running or self.env_steps or self.ledger.outstanding() or self.queue)
+        return bool(self.ready or self.running or self.env_steps or self.commits.outstanding() or self.queue)
 
     def _work_once(self, consume: bool) -> None:
         self._poll_weights()
@@ -177,7 +173,7 @@ class RolloutWorker(Worker):
             time.sleep(0.005)
         self._release()
         self.producer.poll(0)
-        self._commit()
+        self.commits.commit()
         self.metrics.set("inflight", len(self.running) + len(self.env_steps))
         self.metrics.set("ready", len(self.ready))
         if self.hold is not None:
@@ -210,15 +206,15 @@ class RolloutWorker(Worker):
 
     def _on_message(self, msg) -> None:
         tp = (msg.topic(), msg.partition())
-        if self.ledger.rewound(tp, msg.offset()):
-            self._restart_partition(tp, msg.offset())
+        if self.commits.restart_if_rewound(tp, msg.offset()):
+            self.queue.drop(lambda t: t == tp)
         try:
             prompt = self._parse(msg)
         except DecodeError as exc:  # undecodable, wrong schema, or a prompt that makes no sense
-            gen = self.ledger.add(tp, msg.offset(), 1)
+            gen = self.commits.track(tp, msg.offset(), 1)
             self._dead_letter(msg, exc.error_type, str(exc), gen)
             return
-        gen = self.ledger.add(tp, msg.offset(), prompt["sample_count"])
+        gen = self.commits.track(tp, msg.offset(), prompt["sample_count"])
         self._per_msg += 0.2 * (prompt["sample_count"] - self._per_msg)  # samples per message, smoothed
         if not self._admissible(prompt):
             self.metrics.inc("prompts_held")
@@ -232,30 +228,8 @@ class RolloutWorker(Worker):
             check_prompt(prompt)
         except InvalidRecord as exc:
             raise exc.located(msg.topic(), msg.partition(), msg.offset()) from exc
-        if uses_template(prompt, self.rc.chat_template):
-            prompt["text"] = render(prompt, self.tokenizer, self.rc.system_prompt, self.rc.add_generation_prompt)
-            toks = self.tokenizer(prompt["text"], add_special_tokens=False).input_ids  # the template has them
-        else:
-            toks = self._tokenize(prompt["text"])
-        if not toks:  # an engine cannot start from nothing (the hf engine raised on it)
-            why = " (chat messages are rendered only by a chat template)" if prompt.get("messages") else ""
-            raise InvalidRecord(
-                f"prompt has no tokens: empty text under rollout.chat_template = {self.rc.chat_template!r}{why}"
-            )
-        limit = min(self.rc.max_prompt_tokens, self.max_len - 1)
-        if len(toks) > limit:
-            raise InvalidRecord(f"prompt has {len(toks)} tokens, more than the limit {limit}", "too_long")
-        prompt["_tokens"] = toks
+        prompt["_tokens"] = prompt_tokens(prompt, self.tokenizer, self.rc, self.max_len)
         return prompt
-
-    def _restart_partition(self, tp, offset: int) -> None:
-        """The partition is re-delivered from an earlier offset: forget its old state (a new ledger
-        generation); samples already admitted still publish, their offsets are not committed."""
-        log.warning("partition rewound; restarting its bookkeeping %s", kv(partition=tp[1], offset=offset))
-        self.metrics.inc("partition_rewinds")
-        self.ledger.drop([tp])
-        self.queue.drop(lambda t: t == tp)
-        self.to_commit.pop(tp, None)
 
     def _admissible(self, prompt: dict) -> bool:
         return prompt["group_seq"] < 0 or self.weights.may_admit(prompt["group_seq"])
@@ -296,17 +270,10 @@ class RolloutWorker(Worker):
             "DeadLetter",
             self.dead_letter(msg, error_type, reason),
             key=msg.key(),
-            on_delivery=self._acker(tp, off, gen),
+            on_delivery=self.commits.acker(tp, off, gen),
         )
         self.stats["dlq"] += 1
         self.metrics.inc("dead_letters")
-
-    def _acker(self, tp, offset: int, gen: int):
-        def cb(err, _msg):
-            if err is None:  # on error the Producer raises on the next produce/flush: no commit
-                self.ledger.ack(tp, offset, gen)
-
-        return cb
 
     # -- generation ------------------------------------------------------------------------------
     def _draining(self) -> bool:
@@ -389,7 +356,7 @@ class RolloutWorker(Worker):
             "Trajectory",
             rec,
             key=rec["group_id"].encode(),
-            on_delivery=self._acker(s.tp, s.offset, s.gen),
+            on_delivery=self.commits.acker(s.tp, s.offset, s.gen),
         )
         self.stats["trajectories"] += 1
         self.metrics.inc("trajectories")
@@ -464,51 +431,10 @@ class RolloutWorker(Worker):
             "loaded weights %s", kv(version=self.engine.version, load_ms=round(total_ms, 1), swap_ms=round(swap_ms, 1))
         )
 
-    # -- commits and rebalances ------------------------------------------------------------------
-    def _commit(self, force: bool = False, tps=None) -> None:
-        """Commit what the ledger allows. In the loop (``force`` False) asynchronously, at most every
-        0.2 s: a synchronous commit can block for a whole session timeout during a rebalance or a
-        broker outage, and the loop must keep going; results arrive in ``_on_commit``. ``force``
-        (revoke, finish) commits synchronously, so the offsets are in before partitions go."""
-        if not force and time.monotonic() - self._last_commit < 0.2:
-            return
-        self._last_commit = time.monotonic()
-        for o in self.ledger.committable(tps):
-            self.to_commit[(o.topic, o.partition)] = o.offset
-        todo = {tp: off for tp, off in self.to_commit.items() if tps is None or tp in tps}
-        if not todo:
-            return
-        offsets = [TopicPartition(t, p, off) for (t, p), off in todo.items()]
-        if not force:
-            self.consumer.commit(offsets, asynchronous=True)
-            return
-        try:
-            with self.section("commit", self.cfg.kafka.request_timeout_s + 30):
-                self.consumer.commit(offsets)
-        except ConsumeError as exc:  # e.g. REBALANCE_IN_PROGRESS: the partition's next owner re-generates
-            self.metrics.inc("commit_errors")
-            log.warning("final commit failed %s", kv(error=exc, offsets=sorted((tp[1], o) for tp, o in todo.items())))
-            return
-        self._committed(todo)
-
-    def _on_commit(self, err, partitions) -> None:
-        """Result of an asynchronous commit (served inside consume): forget what is in; keep the rest."""
-        if err is not None:
-            self._commit_failures += 1
-            self.metrics.inc("commit_errors")
-            if self._commit_failures % 25 == 1:
-                log.warning("commit failed, will retry %s", kv(error=err, failures=self._commit_failures))
-            return
-        self._commit_failures = 0
-        self._committed({(tp.topic, tp.partition): tp.offset for tp in partitions if tp.error is None})
-
-    def _committed(self, done: dict) -> None:
-        for tp, off in done.items():
-            if self.to_commit.get(tp, off + 1) <= off:
-                del self.to_commit[tp]
-
+    # -- rebalances (``producers.commits`` calls it) ------------------------------------------------
     def _drain(self, pred) -> None:
-        """Finish every admitted sample of partitions matching ``pred``, wait for their acks, commit."""
+        """Finish every admitted sample of partitions matching ``pred`` and wait for their acks (the
+        commit is the caller's); their queued, unadmitted messages are left to the next owner."""
         self.queue.drop(pred)
 
         def pending():
@@ -519,29 +445,6 @@ class RolloutWorker(Worker):
             self.beat()
             self._work_once(consume=False)
         self.producer.flush_patiently(self.liveness.outage_s, "trajectories")
-        self._commit(force=True, tps={tp for tp in self.ledger.parts if pred(tp)})
-
-    def _on_revoke(self, _consumer, partitions) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        if self.failed:  # the final revoke of a worker that failed: its engine may never finish a sample
-            log.warning("partitions revoked after a failure; their uncommitted prompts go to the next owner %s",
-                        kv(partitions=sorted(t[1] for t in tps)))  # fmt: skip
-        else:
-            log.info(
-                "partitions revoked, finishing their admitted prompts %s", kv(partitions=sorted(t[1] for t in tps))
-            )
-            self._drain(lambda tp: tp in tps)
-        self.ledger.drop(tps)
-        for tp in tps:
-            self.to_commit.pop(tp, None)
-
-    def _on_lost(self, _consumer, partitions) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        log.warning("partitions lost %s", kv(partitions=sorted(t[1] for t in tps)))
-        self.ledger.drop(tps)
-        self.queue.drop(lambda tp: tp in tps)
-        for tp in tps:
-            self.to_commit.pop(tp, None)
 
 
 def run(cfg, stop=None) -> dict:

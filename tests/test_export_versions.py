@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture
 def announced(tmp_path, monkeypatch):
     """Versions 1-5 announced; the store still holds 3-5."""
-    import rlstream.export
+    import pipeline.versions
     from rlstream.config import load_config
 
     updates = {}
@@ -20,7 +20,7 @@ def announced(tmp_path, monkeypatch):
             uri.parent.mkdir()
             uri.write_bytes(b"x")
         updates[v] = {"version": v, "uri": str(uri), "sha256": "", "step": v}
-    monkeypatch.setattr(rlstream.export, "published", lambda cfg: updates)
+    monkeypatch.setattr(pipeline.versions, "published", lambda cfg: updates)
     return load_config(None, [f"run_dir={tmp_path}"], environ={})
 
 
@@ -52,12 +52,12 @@ def test_a_version_that_is_not_there_is_one_line_listing_those_that_are(announce
 
 
 def test_nothing_published_yet(tmp_path, monkeypatch):
-    import rlstream.export
+    import pipeline.versions
     from pipeline.errors import UnknownVersion
     from pipeline.versions import find_update
     from rlstream.config import load_config
 
-    monkeypatch.setattr(rlstream.export, "published", lambda cfg: {})
+    monkeypatch.setattr(pipeline.versions, "published", lambda cfg: {})
     cfg = load_config(None, [], environ={})
     assert find_update(cfg, None, base=True) is None  # eval --latest: the base model
     with pytest.raises(UnknownVersion, match=r"rl\.control announces no weights yet: the only version is 0"):

@@ -110,6 +110,32 @@ def test_only_the_kafka_wrapper_uses_the_raw_client():
     assert not bad, "\n".join(bad)
 
 
+TXN_CALLS = {
+    "init_transactions",
+    "begin_transaction",
+    "send_offsets_to_transaction",
+    "commit_transaction",
+    "abort_transaction",
+}
+
+
+def test_only_the_kafka_core_runs_the_transaction_protocol():
+    """Roles say what to produce; ``pipeline.kafka.ExactlyOnceLoop`` begins, sends offsets, commits
+    and aborts. No module outside ``pipeline/kafka/`` (roles included) calls a transaction method."""
+    bad = []
+    for path in modules():
+        rel = str(path.relative_to(REPO))
+        if rel.startswith("pipeline/kafka/"):
+            continue
+        tree = ast.parse(path.read_text())
+        bad += [
+            f"{rel}:{n.lineno} calls .{n.func.attr}()"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in TXN_CALLS
+        ]
+    assert not bad, "\n".join(bad)
+
+
 def _is_self(node) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
 

@@ -17,7 +17,7 @@ from consumers.reward.worker import RewardWorker
 from pipeline import codec
 from pipeline.admin import Admin
 from pipeline.errors import KafkaClientError, TopicError
-from pipeline.kafka import Consumer, Producer, client_conf, decode_message, wait_for
+from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, client_conf, decode_message, wait_for
 from tests.test_codec import make_trajectory
 
 pytestmark = pytest.mark.kafka
@@ -142,16 +142,25 @@ def test_failures_go_to_dlq_in_the_same_transaction_as_their_scored_neighbours(m
     assert 'worker_id = "w-dlq"' in resolved.read_text()
 
 
-class AbortOnce(RewardWorker):
-    """Fails the first commit with an abortable error (as a broker-side transaction error would)."""
+def abortable() -> KafkaClientError:
+    """An abortable commit error, as a broker-side transaction error would be."""
+    return KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
+
+
+class AbortOnceLoop(ExactlyOnceLoop):
+    """Fails the first commit with an abortable error."""
 
     fails = 1
 
     def _commit(self, watch):
         if self.fails:
             self.fails -= 1
-            raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
+            raise abortable()
         super()._commit(watch)
+
+
+class AbortOnce(RewardWorker):
+    txn_loop = AbortOnceLoop
 
 
 def test_a_batch_closes_once_nothing_new_arrives(make_config):
@@ -199,24 +208,29 @@ class FailSecondCommit(RewardWorker):
         self.commits = 0
         self.batches: list[list[int]] = []  # the offsets of every batch processed, in order
         self.meanwhile: int | None = None  # index of the batch read while the failing commit ran
+        worker = self
+
+        class Loop(ExactlyOnceLoop):
+            def _end_txn(self, txn, watch):
+                offsets = [m.offset() for m in txn.batch]
+                worker.committing = len(worker.batches) - 1 - worker.batches[::-1].index(offsets)
+                super()._end_txn(txn, watch)
+
+            def _commit(self, watch):
+                worker.commits += 1
+                if worker.commits == 2:
+                    if self.overlap:
+                        nxt = worker.committing + 1
+                        assert wait_for(lambda: len(worker.batches) > nxt, 60), "no batch was read during the commit"
+                        worker.meanwhile = nxt
+                    raise abortable()
+                super()._commit(watch)
+
+        self.txn_loop = Loop
 
     def _process(self, batch):
         self.batches.append([m.offset() for m in batch])
         super()._process(batch)
-
-    def _end_txn(self, txn, watch):
-        self.committing = len(self.batches) - 1 - self.batches[::-1].index([m.offset() for m in txn.batch])
-        super()._end_txn(txn, watch)
-
-    def _commit(self, watch):
-        self.commits += 1
-        if self.commits == 2:
-            if self.rc.overlap_commit:
-                nxt = self.committing + 1
-                assert wait_for(lambda: len(self.batches) > nxt, 60), "no batch was read during the commit"
-                self.meanwhile = nxt
-            raise KafkaClientError("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
-        super()._commit(watch)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -242,11 +256,15 @@ def test_a_failed_commit_rewinds_its_batch_and_the_batch_read_meanwhile(make_con
         assert w.batches[w.meanwhile] and set(w.batches[w.meanwhile]) <= later
 
 
-class CrashInCommit(RewardWorker):
+class CrashInCommitLoop(ExactlyOnceLoop):
     """A bug on the commit path, before the transaction's checkpoint."""
 
     def _end_txn(self, txn, watch):
         raise RuntimeError("bug in the commit path")
+
+
+class CrashInCommit(RewardWorker):
+    txn_loop = CrashInCommitLoop
 
 
 @pytest.mark.parametrize("overlap", [True, False])

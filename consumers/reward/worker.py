@@ -13,26 +13,24 @@ waits for that commit to end, so a partition is never handed over with its trans
 Transaction N+1 begins only once N has committed. If a transaction fails with a non-fatal error it
 is aborted and the consumer seeks back to the batch's first offsets (and drops the next batch,
 read meanwhile), so nothing is skipped. A fatal error (e.g. fenced by a newer instance with the
-same transactional id) stops the worker with an error.
+same transactional id) stops the worker with an error. That protocol (begin, produce, offsets,
+commit, abort and rewind, a wedged producer replaced, the commit thread) is
+``pipeline.kafka.ExactlyOnceLoop``'s; this worker collects, scores and says what to produce.
 
 What it is not: it never commits offsets outside a transaction and never writes partial batches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from consumers.reward.metrics import RewardMetrics
 from libs.rewards.pool import make_pool
 from pipeline.control import now_ms
-from pipeline.errors import DecodeError, DeliveryError, KafkaClientError
-from pipeline.kafka import Consumer, Producer, WedgedClient, client_conf, decode_message, next_offsets
+from pipeline.errors import DecodeError, DeliveryError
+from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.records import check_trajectory
 from pipeline.worker import Worker
@@ -40,22 +38,11 @@ from pipeline.worker import Worker
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Txn:
-    """A transaction whose batch is produced; its offsets and commit run on the commit thread."""
-
-    batch: list
-    scored: list
-    dead: list
-    t0: float
-    checkpointed: threading.Event = field(default_factory=threading.Event)
-    """Set once the commit thread is past the fault-injection pause (``chaos_delay_in_txn_ms``)."""
-    future: Future | None = None
-
-
 class RewardWorker(Worker):
     role = "reward"
     unit = "batch"
+    txn_loop = ExactlyOnceLoop
+    """The exactly-once loop (``pipeline.kafka.txn``); tests put a fault-injecting subclass here."""
 
     def __init__(self, cfg):
         super().__init__(cfg, cfg.reward.worker_id)
@@ -66,19 +53,10 @@ class RewardWorker(Worker):
         self.topic_dlq = cfg.topics.name("dlq")
         self.topic_metrics = cfg.topics.name("metrics")
         self._buffer: list = []
-        self._in_txn = False
-        self._txn: _Txn | None = None
-        """The produced transaction whose commit is in flight (at most one)."""
-        self._rewind_due: tuple[list, Exception, str] | None = None
-        """A failed transaction's batch, to be read again (with whatever was read after it)."""
-        self._committer: ThreadPoolExecutor | None = None
-        self.pool = self.producer = self.consumer = self.metrics = self._metrics_producer = None
+        self.txn: ExactlyOnceLoop | None = None
+        self.pool = self.consumer = self.metrics = self._metrics_producer = None
         rc = self.rc  # the longest one batch may take to score: every call timing out, one pool slot at a time
         self._scoring_s = rc.timeout_s * math.ceil(rc.max_batch_size / rc.pool_size) + rc.max_batch_ms / 1000 + 30
-        # The watchdog's limit of one transaction call: the last resort behind the wrapper's own bound
-        # (pipeline.kafka.WedgedClient: librdkafka #5456 can block send_offsets_to_transaction forever).
-        self._txn_call_s = cfg.kafka.request_timeout_s + 30  # past the wrapper's own bound (+15 s)
-        self._commit_wait_s = self._txn_call_s * 11  # send_offsets, then up to 10 commit attempts
 
     def _kafka_settings(self, base: dict, settings: dict, user: dict) -> dict:
         """Role settings under the user's explicit ``kafka.*`` extras, which win."""
@@ -102,15 +80,6 @@ class RewardWorker(Worker):
         path = self.write_resolved()
         self.pool = make_pool(rc, cfg.log_level)  # first: a reward that cannot be built is a ConfigError now
         self._check_topics()
-        if rc.overlap_commit:
-            self._committer = ThreadPoolExecutor(1, thread_name_prefix="reward-commit")
-        pconf = self._kafka_settings(
-            client_conf(cfg, "reward", self.worker_id, "producer"),
-            {"transaction.timeout.ms": rc.transaction_timeout_ms},
-            cfg.kafka.producer,
-        )
-        self._pconf = pconf
-        self._new_producer()
         self._metrics_producer = Producer(client_conf(cfg, "reward-metrics", self.worker_id, "producer"))
         self.metrics = RewardMetrics(self.worker_id, rc, self._metrics_producer, self.topic_metrics)
         cconf = self._kafka_settings(
@@ -125,6 +94,28 @@ class RewardWorker(Worker):
         )
         cconf["isolation.level"] = "read_committed"  # never score a rollout that was rolled back
         self.consumer = Consumer(cconf, group_id=rc.group_id)
+        pconf = self._kafka_settings(
+            client_conf(cfg, "reward", self.worker_id, "producer"),
+            {"transaction.timeout.ms": rc.transaction_timeout_ms},
+            cfg.kafka.producer,
+        )
+        self.txn = self.txn_loop(
+            self.consumer,
+            pconf,
+            self.transactional_id,
+            request_timeout_s=cfg.kafka.request_timeout_s,
+            watchdog_s=self.liveness.watchdog_s,
+            outage_s=self.liveness.outage_s,
+            overlap=rc.overlap_commit,
+            section=self.section,
+            retry=self.startup_call,
+            committed=self._committed,
+            aborted=lambda _exc: self.metrics.aborted(),
+            replaced=lambda _exc: self.metrics.m.inc("producers_replaced"),
+            chaos_delay_s=rc.chaos_delay_in_txn_ms / 1000,
+            worker_id=self.worker_id,
+        )
+        self.txn.start()  # init_transactions: fences a zombie with this transactional id
         self.consumer.subscribe(
             [self.topic_in], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -156,15 +147,16 @@ class RewardWorker(Worker):
         if batch and not self.stop_event.is_set():
             self._process(batch)
         else:  # idle (or stopping): end the transaction in flight
-            self._settle()
-            self._rewound([])
+            self.txn.settle()
+            self.txn.rewound()
         self.metrics.maybe_publish()
         self._metrics_producer.poll(0)
         return True
 
     def finish(self) -> None:
         """A stop: let the transaction in flight commit (a failed one is read again by the next owner)."""
-        self._settle()
+        if self.txn is not None:
+            self.txn.settle()
 
     def close(self) -> None:
         """Wait for the commit in flight, abort an open transaction, leave the group, stop the pool,
@@ -188,17 +180,12 @@ class RewardWorker(Worker):
         log.info("reward worker stopped %s", kv(worker_id=self.worker_id))
 
     def _close_committer(self, failing: bool) -> None:
-        committer, self._committer = self._committer, None
-        if self._txn is not None and not failing:
-            self._settle()
-        if committer is not None:  # after a failure a stuck commit is left to _abort_on_exit's fencing
-            committer.shutdown(wait=not failing, cancel_futures=True)
+        if self.txn is not None:
+            self.txn.close_committer(failing)
 
     def _abort_on_exit(self, failing: bool) -> None:
-        if self.producer is not None and self._in_txn:
-            self._in_txn = False
-            self.producer.abort_transaction(30)  # else the broker aborts it at transaction.timeout.ms
-            log.warning("aborted the open transaction on exit %s", kv(worker_id=self.worker_id))
+        if self.txn is not None:
+            self.txn.abort_open()
 
     def _close_consumer(self, failing: bool) -> None:
         consumer, self.consumer = self.consumer, None
@@ -220,17 +207,13 @@ class RewardWorker(Worker):
 
     def _close_producers(self, failing: bool) -> None:
         mp, self._metrics_producer = self._metrics_producer, None
-        tp, self.producer = self.producer, None
         if mp is not None:
             try:
                 mp.close(10)
             except DeliveryError as exc:  # metrics are best effort: a stop during an outage drops them
                 log.warning("metric events not delivered before stopping %s", kv(error=exc))
-        if tp is not None:
-            if failing:  # a fenced (fatal) producer cannot even flush; its open transaction is lost anyway
-                tp.abandon()
-            else:
-                tp.close(10)
+        if self.txn is not None:
+            self.txn.close_producer(failing)
 
     # -- rebalance callbacks (called from inside consume()) -------------------------------------
     def _on_assign(self, consumer, partitions) -> None:
@@ -243,10 +226,7 @@ class RewardWorker(Worker):
         self._drop(partitions, "lost")
 
     def _drop(self, partitions, why: str) -> None:
-        self._settle()  # a partition leaves only once the commit in flight has ended (committed or aborted)
-        if self._in_txn:  # cannot happen (no poll inside an open transaction); abort rather than commit blind
-            self.producer.abort_transaction(30)
-            self._in_txn = False
+        self.txn.hand_over()  # a partition leaves only once the commit in flight has ended (committed or aborted)
         gone = {(tp.topic, tp.partition) for tp in partitions}
         before = len(self._buffer)
         self._buffer = [m for m in self._buffer if (m.topic(), m.partition()) not in gone]
@@ -287,7 +267,7 @@ class RewardWorker(Worker):
             self._buffer.extend(m for m in msgs if (m.topic(), m.partition()) in assigned)
 
     def _process(self, batch: list) -> None:
-        if self._rewound(batch):  # a rebalance callback found the previous transaction failed
+        if self.txn.rewound(batch):  # a rebalance callback found the previous transaction failed
             return
         good, bad = [], []  # (msg, trajectory) / (msg, error_type, reason, latency_ms)
         for m in batch:
@@ -299,163 +279,28 @@ class RewardWorker(Worker):
                 bad.append((m, exc.error_type, str(exc), 0.0))
         with self.section("scoring", self._scoring_s):
             outcomes = self.pool.score([t for _, t in good])
-        self._settle()  # transaction N ends (its commit overlapped the work above) before N+1 begins
-        if self._rewound(batch):
-            return
-        self._start_txn(batch, good, bad, outcomes)
-        if self._committer is None:
-            self._settle()
-            self._rewound([])
+        # the commit of the batch before overlapped the scoring above; write() ends it first
+        self.txn.write(batch, lambda: self._produce_results(good, bad, outcomes))
 
-    def _new_producer(self) -> None:
-        """The transactional producer; ``init_transactions`` fences (and aborts the open transaction
-        of) any earlier producer with the same transactional id: a zombie, or a wedged one."""
-        self.producer = Producer(self._pconf, transactional_id=self.transactional_id)
-        init_s = max(60.0, self.rc.transaction_timeout_ms / 1000 + 30)
-        self.startup_call(lambda: self.producer.init_transactions(init_s), "init_transactions")
-
-    def _replace_wedged_producer(self, exc: WedgedClient) -> None:
-        """librdkafka blocked for good in a transaction call (after a broker restart): park that
-        client and start a new producer (whose init_transactions aborts the stuck transaction on the
-        broker), in this process: no restart, no rebalance. The caller rewinds."""
-        log.warning("transactional producer stuck; replacing it %s", kv(worker_id=self.worker_id, error=exc))
-        self.metrics.m.inc("producers_replaced")
-        self._in_txn = False
-        with self.section("replace producer", self.liveness.outage_s + 60):
-            self._new_producer()
-
-    def _start_txn(self, batch, good, bad, outcomes) -> None:
-        """Begin the batch's transaction and produce its results; its offsets and commit then run on
-        the commit thread (inline without ``reward.overlap_commit``) until ``_settle``."""
-        self.producer.begin_transaction()
-        txn = self._txn = _Txn(batch, [], [], time.perf_counter())
-        self._in_txn = True
-        try:
-            for (m, traj), out in zip(good, outcomes, strict=True):
-                if out.ok:
-                    self._produce_scored(m, traj, out)
-                    txn.scored.append((traj["task"], out.reward, out.latency_ms))
-                else:
-                    bad.append((m, out.error_type, out.reason, out.latency_ms))
-            for m, error_type, reason, ms in bad:
-                self._produce_dead(m, error_type, reason)
-                txn.dead.append((error_type, ms))
-        except Exception as exc:  # e.g. an earlier delivery error, raised on produce: _settle aborts
-            txn.future = Future()
-            txn.future.set_exception(exc)
-        else:
-            if self._committer is not None:
-                txn.future = self._committer.submit(self._end_txn, txn, _unwatched)
+    def _produce_results(self, good, bad, outcomes) -> tuple[list, list]:
+        """Inside the batch's transaction: a ScoredTrajectory per scored rollout, a DeadLetter per bad
+        one. Returns what the metrics count once it commits: (task, reward, latency_ms) and
+        (error_type, latency_ms) lists."""
+        scored, dead = [], []
+        for (m, traj), out in zip(good, outcomes, strict=True):
+            if out.ok:
+                self._produce_scored(m, traj, out)
+                scored.append((traj["task"], out.reward, out.latency_ms))
             else:
-                txn.future = _run_now(self._end_txn, txn, self.section)
-        txn.future.add_done_callback(lambda _: txn.checkpointed.set())  # also if it failed before it
+                bad.append((m, out.error_type, out.reason, out.latency_ms))
+        for m, error_type, reason, ms in bad:
+            self._produce_dead(m, error_type, reason)
+            dead.append((error_type, ms))
+        return scored, dead
 
-    def _end_txn(self, txn: _Txn, watch) -> None:
-        """Add the batch's offsets and commit. Every call is bounded by pipeline.kafka.WedgedClient;
-        inline, ``watch`` declares watchdog sections; on the commit thread it is a no-op (sections
-        belong to the main thread, whose wait in ``_settle`` is watched)."""
-        try:
-            with watch("transaction", self.liveness.watchdog_s):
-                self._txn_checkpoint(txn.batch)
-        finally:
-            txn.checkpointed.set()
-        with watch("send_offsets_to_transaction", self._txn_call_s):
-            self.producer.send_offsets_to_transaction(  # milliseconds normally; bounded short (+ grace)
-                next_offsets(txn.batch), self.consumer, min(10.0, self.cfg.kafka.request_timeout_s)
-            )
-        self._commit(watch)
-
-    def _commit(self, watch) -> None:
-        for attempt in range(10):
-            try:
-                with watch("commit_transaction", self._txn_call_s):
-                    self.producer.commit_transaction(self.cfg.kafka.request_timeout_s)
-                return
-            except KafkaClientError as exc:
-                ke = exc.kafka_error
-                if ke is None or not ke.retriable() or ke.fatal() or ke.txn_requires_abort() or attempt == 9:
-                    raise
-                log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
-
-    def _settle(self) -> None:
-        """Wait for the transaction in flight to end. Committed: counted. Failed: aborted (or the
-        stuck producer replaced) and its batch marked to be read again (``_rewound``). Fatal: raised."""
-        txn, self._txn = self._txn, None
-        if txn is None:
-            return
-        with self.section("transaction", self.liveness.watchdog_s):
-            txn.checkpointed.wait(self.rc.chaos_delay_in_txn_ms / 1000 + self._commit_wait_s)
-        with self.section("commit_transaction", self._commit_wait_s):
-            try:
-                exc = txn.future.exception(self._commit_wait_s)
-            except TimeoutError:
-                raise RuntimeError(
-                    f"the commit thread did not end a transaction within {self._commit_wait_s:.0f} s"
-                ) from None
-        if exc is None:
-            self._in_txn = False
-            self.metrics.committed(txn.scored, txn.dead, (time.perf_counter() - txn.t0) * 1000)
-            log.debug(
-                "transaction committed %s", kv(worker_id=self.worker_id, scored=len(txn.scored), dlq=len(txn.dead))
-            )
-            return
-        if isinstance(exc, WedgedClient):
-            self._replace_wedged_producer(exc)
-            why = "producer replaced"
-        elif isinstance(exc, KafkaClientError) and not exc.fatal:
-            self._abort(exc)
-            why = "transaction aborted"
-        else:
-            raise exc  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
-        self._rewind_due = (txn.batch, exc, why)
-
-    def _rewound(self, batch: list) -> bool:
-        """If a transaction failed: read its batch and ``batch`` (read after it) again. True if so."""
-        if self._rewind_due is None:
-            return False
-        failed, exc, why = self._rewind_due
-        self._rewind_due = None
-        self._rewind(failed + batch, exc, why)
-        return True
-
-    def _txn_checkpoint(self, batch: list) -> None:
-        log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
-        if self.rc.chaos_delay_in_txn_ms:
-            self.producer.flush(self.cfg.kafka.request_timeout_s)  # the records really are on the broker
-            time.sleep(self.rc.chaos_delay_in_txn_ms / 1000)
-
-    def _abort(self, exc: Exception) -> None:
-        deadline = time.monotonic() + self.liveness.outage_s
-        while True:  # a broker outage can make the abort itself fail for a while: ride it out
-            try:
-                with self.section("abort_transaction", self._txn_call_s):
-                    self.producer.abort_transaction(self.cfg.kafka.request_timeout_s)
-                break
-            except KafkaClientError as abort_exc:
-                if abort_exc.fatal or not abort_exc.retriable or time.monotonic() > deadline:
-                    raise
-                log.warning("abort failed, retrying %s", kv(error=abort_exc))
-                time.sleep(1.0)
-        self._in_txn = False
-        self.metrics.aborted()
-
-    def _rewind(self, batch: list, exc: Exception, why: str) -> None:
-        """Seek every still-assigned partition of ``batch`` back to its first offset (nothing skipped)."""
-        first: dict[tuple[str, int], int] = {}
-        for m in batch:
-            key = (m.topic(), m.partition())
-            first[key] = min(first.get(key, m.offset()), m.offset())
-        assigned = self.consumer.assignment()
-        for (topic, part), offset in first.items():
-            if (topic, part) in assigned:
-                self.consumer.seek(topic, part, offset)
-        log.warning(
-            "%s, rewound %s",
-            why,
-            kv(
-                worker_id=self.worker_id, error=exc, partitions=",".join(f"{t}[{p}]@{o}" for (t, p), o in first.items())
-            ),
-        )
+    def _committed(self, result: tuple[list, list], txn_ms: float) -> None:
+        scored, dead = result
+        self.metrics.committed(scored, dead, txn_ms)
 
     def _produce_scored(self, m, traj: dict, out) -> None:
         rec = {  # the trajectory travels as the exact bytes read, never re-encoded (ScoredTrajectory.v2)
@@ -470,29 +315,14 @@ class RewardWorker(Worker):
             "source_offset": m.offset(),
         }
         key = m.key() if m.key() is not None else traj["group_id"].encode()
-        self.producer.produce_record(self.topic_out, "ScoredTrajectory", rec, key=key)
+        self.txn.produce_record(self.topic_out, "ScoredTrajectory", rec, key=key)
 
     def _produce_dead(self, m, error_type: str, reason: str) -> None:
-        self.producer.produce_record(self.topic_dlq, "DeadLetter", self.dead_letter(m, error_type, reason), key=m.key())
+        self.txn.produce_record(self.topic_dlq, "DeadLetter", self.dead_letter(m, error_type, reason), key=m.key())
         log.warning(
             "sent to DLQ %s",
             kv(error_type=error_type, partition=m.partition(), offset=m.offset(), reason=reason[:200]),
         )
-
-
-def _run_now(fn, *args) -> Future:
-    """``fn(*args)`` run on this thread, as a finished Future."""
-    f: Future = Future()
-    try:
-        f.set_result(fn(*args))
-    except Exception as exc:  # handed to _settle, like the commit thread's
-        f.set_exception(exc)
-    return f
-
-
-def _unwatched(what: str, seconds: float):
-    """No watchdog section (the commit thread's stand-in for ``section``)."""
-    return contextlib.nullcontext()
 
 
 def _fmt(partitions) -> str:

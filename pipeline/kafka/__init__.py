@@ -1,5 +1,6 @@
 """The Kafka wrapper: the only package (with ``pipeline.admin``) that touches confluent-kafka's clients
-(``common``: settings, errors, retries, bounded calls; ``producer``; ``consumer``).
+(``common``: settings, errors, retries, bounded calls; ``producer``; ``consumer``; ``txn``: the
+exactly-once read-process-write loop).
 
 A producer that never loses a delivery error, a consumer with manual commits, and the client
 settings every role shares. Each client is created lazily and kept private; every call a worker
@@ -19,7 +20,11 @@ Liveness rules kept here, once for every role:
   authorization failures end them at once, with what to fix;
 * transaction calls are bounded: one that librdkafka never returns from (#5456, after a broker
   restart) raises ``WedgedClient`` and the stuck client is parked, so the caller can go on with a
-  new one instead of hanging.
+  new one instead of hanging;
+* the exactly-once protocol (``ExactlyOnceLoop``: begin, produce, offsets into the transaction,
+  commit with bounded retries, abort and rewind, wedged-producer replacement, the optional commit
+  thread) is written once, here; a stage says what to produce and never calls a transaction
+  method itself.
 
 What this is not: a stream-processing framework. Workers keep their own loops.
 """
@@ -42,6 +47,7 @@ from pipeline.kafka.common import (
 )
 from pipeline.kafka.consumer import Consumer
 from pipeline.kafka.producer import Producer
+from pipeline.kafka.txn import ExactlyOnceLoop
 
 __all__ = [
     "ASSIGN_ONLY_GROUP_PREFIX",
@@ -49,6 +55,7 @@ __all__ = [
     "OFFSET_BEGINNING",
     "TIMESTAMP_LOG_APPEND_TIME",
     "Consumer",
+    "ExactlyOnceLoop",
     "Message",
     "Producer",
     "TopicPartition",

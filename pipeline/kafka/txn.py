@@ -1,0 +1,339 @@
+"""The exactly-once read-process-write loop of a stage (consume -> process -> produce -> offsets in
+the transaction -> commit), as one object of the Kafka wrapper.
+
+A stage (the reward worker today) keeps its own consumer and its own processing; per batch it
+hands ``ExactlyOnceLoop.write`` the messages it read and a function that produces the batch's
+output (``produce_record`` / ``produce``, into the open transaction). The loop owns the rest:
+
+* the transactional producer: ``start`` runs ``init_transactions``, which fences an earlier
+  producer with the same transactional id (a zombie) and aborts its open transaction;
+* begin, produce, send the batch's next offsets with the consumer's group metadata, commit (a
+  retriable commit error is retried, up to 10 attempts);
+* a failed transaction: a non-fatal error aborts it (an abort that fails during a broker outage is
+  retried for up to ``outage_s``), a call librdkafka never returns from (``WedgedClient``,
+  librdkafka #5456) replaces the producer in-process (the new one's ``init_transactions`` aborts the
+  stuck transaction on the broker), and in both cases the batch is marked to be read again:
+  ``rewound`` seeks its partitions back to the batch's first offsets, together with any batch read
+  after it. A fatal error (fenced) is raised: the stage exits, a restart with the same id recovers;
+* bounded budgets: every transaction call is bounded by the wrapper (``Producer.TXN_GRACE_S``) and,
+  behind it, by the watchdog sections the stage passes in (``section``: ``transaction``,
+  ``send_offsets_to_transaction``, ``commit_transaction``, ``abort_transaction``,
+  ``replace producer``);
+* ``overlap``: batch N's offsets and commit run on a commit thread while the stage reads and
+  processes batch N+1; ``settle`` waits for it. The transaction is never open across a consumer
+  poll on the main thread, and transaction N+1 begins only once N has ended. A rebalance callback
+  calls ``hand_over`` first, so a partition never leaves with its transaction pending.
+
+What this is not: a stage. It knows no topic, schema or metric of any role: the stage gives it a
+consumer, a producer config, a transactional id, and hooks (``committed``, ``aborted``,
+``replaced``) for its metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.errors import KafkaClientError
+from pipeline.kafka.common import WedgedClient, next_offsets
+from pipeline.kafka.consumer import Consumer
+from pipeline.kafka.producer import Producer
+from pipeline.log import kv
+
+log = logging.getLogger(__name__)
+
+COMMIT_ATTEMPTS = 10
+"""Attempts of ``commit_transaction`` on a retriable error before the transaction is aborted."""
+
+
+def _unwatched(what: str, seconds: float):
+    """No watchdog section (the default, and the commit thread's stand-in for ``section``)."""
+    return contextlib.nullcontext()
+
+
+def _direct(fn: Callable, what: str):
+    return fn()
+
+
+def _nothing(*_args) -> None:
+    return None
+
+
+@dataclass
+class _Txn:
+    """A transaction whose batch is produced; its offsets and commit run on the commit thread."""
+
+    batch: list
+    t0: float
+    result: Any = None
+    """What the stage's ``produce`` returned: handed to the ``committed`` hook."""
+    checkpointed: threading.Event = field(default_factory=threading.Event)
+    """Set once the commit path is past the fault-injection pause (``chaos_delay_s``)."""
+    future: Future | None = None
+
+
+class ExactlyOnceLoop:
+    """Exactly-once read-process-write for one consumer and one transactional id (module docstring).
+
+    ``section(what, seconds)`` declares a watchdog section (``Worker.section``); ``retry(fn, what)``
+    runs a start-up call with transient retries (``Worker.startup_call``). Hooks, all optional:
+    ``committed(result, txn_ms)`` after a commit, ``aborted(exc)`` after an abort, ``replaced(exc)``
+    before a wedged producer is replaced. ``chaos_delay_s`` (fault injection, tests only) flushes
+    and sleeps inside every transaction, after producing and before the offsets.
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        producer_conf: dict,
+        transactional_id: str,
+        *,
+        request_timeout_s: float,
+        watchdog_s: float,
+        outage_s: float,
+        overlap: bool = False,
+        section: Callable = _unwatched,
+        retry: Callable = _direct,
+        committed: Callable[[Any, float], None] = _nothing,
+        aborted: Callable[[Exception], None] = _nothing,
+        replaced: Callable[[Exception], None] = _nothing,
+        chaos_delay_s: float = 0.0,
+        worker_id: str = "",
+    ):
+        self.consumer = consumer
+        self.transactional_id = transactional_id
+        self.worker_id = worker_id or transactional_id
+        self._pconf = producer_conf
+        self._section, self._retry = section, retry
+        self._hooks = {"committed": committed, "aborted": aborted, "replaced": replaced}
+        self.request_timeout_s, self.watchdog_s, self.outage_s = request_timeout_s, watchdog_s, outage_s
+        self.chaos_delay_s = chaos_delay_s
+        # The watchdog's limit of one transaction call: the last resort behind the wrapper's own bound
+        # (Producer.TXN_GRACE_S: librdkafka #5456 can block send_offsets_to_transaction forever).
+        self.call_s = request_timeout_s + 30
+        self.commit_wait_s = self.call_s * (COMMIT_ATTEMPTS + 1)  # send_offsets, then the commit attempts
+        txn_timeout_s = int(producer_conf.get("transaction.timeout.ms", 60_000)) / 1000
+        self.init_s = max(60.0, txn_timeout_s + 30)
+        self.producer: Producer | None = None
+        self.in_txn = False
+        """A transaction is open (begun, not yet committed or aborted)."""
+        self._txn: _Txn | None = None
+        """The produced transaction whose commit is in flight (at most one)."""
+        self._rewind_due: tuple[list, Exception, str] | None = None
+        """A failed transaction's batch, to be read again (with whatever was read after it)."""
+        self.overlap = overlap
+        """Batch N's offsets and commit run on a commit thread while the stage reads batch N+1."""
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="txn-commit") if overlap else None
+
+    # -- the producer ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """The transactional producer; ``init_transactions`` fences (and aborts the open transaction
+        of) any earlier producer with the same transactional id: a zombie, or a wedged one."""
+        producer = self.producer = Producer(self._pconf, transactional_id=self.transactional_id)
+        self._retry(lambda: producer.init_transactions(self.init_s), "init_transactions")
+
+    def _replace_wedged_producer(self, exc: WedgedClient) -> None:
+        """librdkafka blocked for good in a transaction call (after a broker restart): park that
+        client and start a new producer (whose init_transactions aborts the stuck transaction on the
+        broker), in this process: no restart, no rebalance. The caller rewinds."""
+        log.warning("transactional producer stuck; replacing it %s", kv(worker_id=self.worker_id, error=exc))
+        self._hooks["replaced"](exc)
+        self.in_txn = False
+        with self._section("replace producer", self.outage_s + 60):
+            self.start()
+
+    # -- one batch -------------------------------------------------------------------------------
+    def write(self, batch: list, produce: Callable[[], Any]) -> bool:
+        """Write ``batch``'s output exactly once: end the transaction in flight, begin one, call
+        ``produce()`` (which produces into it with ``produce_record``/``produce``; what it returns
+        reaches the ``committed`` hook), then add the batch's offsets and commit: on the commit
+        thread with ``overlap`` (it ends in the next ``settle``), else here. False, producing
+        nothing, if the transaction before failed: ``batch`` was then rewound with it."""
+        self.settle()  # transaction N ends (its commit overlapped the caller's work) before N+1 begins
+        if self.rewound(batch):
+            return False
+        self._begin(batch, produce)
+        if self._committer is None:
+            self.settle()
+            self.rewound([])
+        return True
+
+    def produce_record(self, topic: str, schema: str, record: dict, key=None, **kw) -> None:
+        """Encode and produce ``record`` into the open transaction."""
+        self._check_open()
+        self.producer.produce_record(topic, schema, record, key=key, **kw)
+
+    def produce(self, topic: str, value: bytes | None, key=None, **kw) -> None:
+        """Produce raw bytes into the open transaction."""
+        self._check_open()
+        self.producer.produce(topic, value, key=key, **kw)
+
+    def _check_open(self) -> None:
+        if not self.in_txn:
+            raise RuntimeError("produce outside a transaction: produce only from the function given to write()")
+
+    def _begin(self, batch: list, produce: Callable[[], Any]) -> None:
+        self.producer.begin_transaction()
+        txn = self._txn = _Txn(batch, time.perf_counter())
+        self.in_txn = True
+        try:
+            txn.result = produce()
+        except Exception as exc:  # e.g. an earlier delivery error, raised on produce: settle aborts
+            txn.future = Future()
+            txn.future.set_exception(exc)
+        else:
+            if self._committer is not None:
+                txn.future = self._committer.submit(self._end_txn, txn, _unwatched)
+            else:
+                txn.future = _run_now(self._end_txn, txn, self._section)
+        txn.future.add_done_callback(lambda _: txn.checkpointed.set())  # also if it failed before it
+
+    def _end_txn(self, txn: _Txn, watch) -> None:
+        """Add the batch's offsets and commit. Every call is bounded by the wrapper (WedgedClient);
+        inline, ``watch`` declares watchdog sections; on the commit thread it is a no-op (sections
+        belong to the main thread, whose wait in ``settle`` is watched)."""
+        try:
+            with watch("transaction", self.watchdog_s):
+                self._txn_checkpoint(txn.batch)
+        finally:
+            txn.checkpointed.set()
+        with watch("send_offsets_to_transaction", self.call_s):
+            self.producer.send_offsets_to_transaction(  # milliseconds normally; bounded short (+ grace)
+                next_offsets(txn.batch), self.consumer, min(10.0, self.request_timeout_s)
+            )
+        self._commit(watch)
+
+    def _txn_checkpoint(self, batch: list) -> None:
+        log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
+        if self.chaos_delay_s:
+            self.producer.flush(self.request_timeout_s)  # the records really are on the broker
+            time.sleep(self.chaos_delay_s)
+
+    def _commit(self, watch) -> None:
+        for attempt in range(COMMIT_ATTEMPTS):
+            try:
+                with watch("commit_transaction", self.call_s):
+                    self.producer.commit_transaction(self.request_timeout_s)
+                return
+            except KafkaClientError as exc:
+                ke = exc.kafka_error
+                last = attempt == COMMIT_ATTEMPTS - 1
+                if ke is None or not ke.retriable() or ke.fatal() or ke.txn_requires_abort() or last:
+                    raise
+                log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
+
+    # -- ending a transaction --------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for the transaction in flight to end. Committed: the ``committed`` hook. Failed:
+        aborted (or the stuck producer replaced) and its batch marked to be read again
+        (``rewound``). Fatal (fenced), or not a Kafka error: raised."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        with self._section("transaction", self.watchdog_s):
+            txn.checkpointed.wait(self.chaos_delay_s + self.commit_wait_s)
+        with self._section("commit_transaction", self.commit_wait_s):
+            try:
+                exc = txn.future.exception(self.commit_wait_s)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"the commit thread did not end a transaction within {self.commit_wait_s:.0f} s"
+                ) from None
+        if exc is None:
+            self.in_txn = False
+            self._hooks["committed"](txn.result, (time.perf_counter() - txn.t0) * 1000)
+            log.debug("transaction committed %s", kv(worker_id=self.worker_id, batch=len(txn.batch)))
+            return
+        if isinstance(exc, WedgedClient):
+            self._replace_wedged_producer(exc)
+            why = "producer replaced"
+        elif isinstance(exc, KafkaClientError) and not exc.fatal:
+            self._abort(exc)
+            why = "transaction aborted"
+        else:
+            raise exc  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
+        self._rewind_due = (txn.batch, exc, why)
+
+    def _abort(self, exc: Exception) -> None:
+        deadline = time.monotonic() + self.outage_s
+        while True:  # a broker outage can make the abort itself fail for a while: ride it out
+            try:
+                with self._section("abort_transaction", self.call_s):
+                    self.producer.abort_transaction(self.request_timeout_s)
+                break
+            except KafkaClientError as abort_exc:
+                if abort_exc.fatal or not abort_exc.retriable or time.monotonic() > deadline:
+                    raise
+                log.warning("abort failed, retrying %s", kv(error=abort_exc))
+                time.sleep(1.0)
+        self.in_txn = False
+        self._hooks["aborted"](exc)
+
+    def rewound(self, batch: list = ()) -> bool:
+        """If a transaction failed: read its batch and ``batch`` (read after it) again, seeking every
+        still-assigned partition back to its first offset (nothing skipped). True if so: the caller
+        drops ``batch``."""
+        if self._rewind_due is None:
+            return False
+        failed, exc, why = self._rewind_due
+        self._rewind_due = None
+        first: dict[tuple[str, int], int] = {}
+        for m in [*failed, *batch]:
+            key = (m.topic(), m.partition())
+            first[key] = min(first.get(key, m.offset()), m.offset())
+        assigned = self.consumer.assignment()
+        for (topic, part), offset in first.items():
+            if (topic, part) in assigned:
+                self.consumer.seek(topic, part, offset)
+        where = ",".join(f"{t}[{p}]@{o}" for (t, p), o in first.items())
+        log.warning("%s, rewound %s", why, kv(worker_id=self.worker_id, error=exc, partitions=where))
+        return True
+
+    def hand_over(self) -> None:
+        """Before partitions leave (a rebalance callback): end the transaction in flight, so none is
+        handed over pending. A failed one stays marked for ``rewound``."""
+        self.settle()
+        if self.in_txn:  # cannot happen (no poll inside an open transaction); abort rather than commit blind
+            self.producer.abort_transaction(30)
+            self.in_txn = False
+
+    # -- closing ---------------------------------------------------------------------------------
+    def close_committer(self, failing: bool) -> None:
+        """Let the commit in flight end (not after a failure: a stuck one is left to the fencing of
+        ``abort_open``), then stop the commit thread."""
+        committer, self._committer = self._committer, None
+        if self._txn is not None and not failing:
+            self.settle()
+        if committer is not None:
+            committer.shutdown(wait=not failing, cancel_futures=True)
+
+    def abort_open(self) -> None:
+        """Abort a transaction still open (else the broker aborts it at ``transaction.timeout.ms``)."""
+        if self.producer is not None and self.in_txn:
+            self.in_txn = False
+            self.producer.abort_transaction(30)
+            log.warning("aborted the open transaction on exit %s", kv(worker_id=self.worker_id))
+
+    def close_producer(self, failing: bool) -> None:
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            if failing:  # a fenced (fatal) producer cannot even flush; its open transaction is lost anyway
+                producer.abandon()
+            else:
+                producer.close(10)
+
+
+def _run_now(fn, *args) -> Future:
+    """``fn(*args)`` run on this thread, as a finished Future."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as exc:  # handed to settle, like the commit thread's
+        f.set_exception(exc)
+    return f

@@ -1,0 +1,239 @@
+"""The exactly-once loop (``pipeline.kafka.ExactlyOnceLoop``) on its own, against a real broker and
+with no role around it: a committed batch is visible with its offsets; a batch that fails inside its
+transaction is aborted, invisible to read_committed readers and read again; a stuck producer is
+replaced in-process; a second instance with the same transactional id fences the first."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka import KafkaError
+
+from pipeline.admin import Admin
+from pipeline.errors import KafkaClientError
+from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, WedgedClient, client_conf
+
+pytestmark = pytest.mark.kafka
+
+N = 6
+
+
+@pytest.fixture
+def stage(make_config):
+    """A stage's plumbing: input (rollouts, 1 partition) holding N records, output (scored), a group."""
+    cfg = make_config("topics.rollouts.partitions=1", "topics.scored.partitions=1")
+    src, dst = cfg.topics.name("rollouts"), cfg.topics.name("scored")
+    with Producer(client_conf(cfg, "test", kind="producer")) as p:
+        for i in range(N):
+            p.produce(src, f"in-{i}".encode(), key=b"k")
+    return cfg, src, dst, f"{cfg.topics.prefix}txn-group"
+
+
+def make_consumer(cfg, src: str, group: str) -> Consumer:
+    c = Consumer(client_conf(cfg, "test", kind="consumer"), group_id=group)
+    c.subscribe([src])
+    return c
+
+
+def read_batch(consumer: Consumer, n: int, timeout: float = 60.0) -> list:
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += consumer.consume(n - len(out), 0.5)
+    assert len(out) == n, f"read {len(out)} of {n}"
+    return out
+
+
+def read_output(cfg, topic: str, isolation: str = "read_committed") -> list[bytes]:
+    conf = {**client_conf(cfg, "test", kind="consumer"), "isolation.level": isolation}
+    with Consumer(conf) as c:
+        return [m.value() for m in c.read_to_end(topic, timeout=30)]
+
+
+class Events:
+    """The hooks a stage gives the loop, recorded."""
+
+    def __init__(self):
+        self.committed, self.aborted, self.replaced = [], [], []
+
+    def hooks(self) -> dict:
+        return {
+            "committed": lambda result, ms: self.committed.append(result),
+            "aborted": self.aborted.append,
+            "replaced": self.replaced.append,
+        }
+
+
+def make_loop(cfg, consumer, tid: str, events: Events, cls=ExactlyOnceLoop, overlap: bool = False):
+    loop = cls(
+        consumer,
+        client_conf(cfg, "test", kind="producer"),
+        tid,
+        request_timeout_s=10.0,
+        watchdog_s=60.0,
+        outage_s=10.0,
+        overlap=overlap,
+        **events.hooks(),
+    )
+    loop.start()
+    return loop
+
+
+def copy_into(loop: ExactlyOnceLoop, dst: str, batch: list):
+    def produce():
+        for m in batch:
+            loop.produce(dst, b"out-" + m.value(), key=m.key())
+        return len(batch)
+
+    return produce
+
+
+def committed_offset(cfg, group: str, topic: str) -> int:
+    return Admin(client_conf(cfg, "test")).committed(group, topic, 1)[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_batch_commits_with_its_offsets(stage, overlap):
+    cfg, src, dst, group = stage
+    consumer, events = make_consumer(cfg, src, group), Events()
+    loop = make_loop(cfg, consumer, f"{group}-tid", events, overlap=overlap)
+    try:
+        first, second = read_batch(consumer, 4), read_batch(consumer, N - 4)
+        assert loop.write(first, copy_into(loop, dst, first))
+        assert loop.write(second, copy_into(loop, dst, second))  # with overlap: ends the first commit first
+        loop.settle()
+        assert not loop.rewound() and not loop.in_txn
+    finally:
+        loop.close_committer(False)
+        consumer.close()
+        loop.close_producer(False)
+    assert events.committed == [4, N - 4] and not events.aborted
+    assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
+    assert committed_offset(cfg, group, src) == N  # the offsets committed inside the transactions
+
+
+class AbortableFailure(KafkaClientError):
+    def __init__(self):
+        super().__init__("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failure_inside_the_batch_aborts_it_and_rewinds_the_input(stage, overlap):
+    cfg, src, dst, group = stage
+    consumer, events = make_consumer(cfg, src, group), Events()
+    loop = make_loop(cfg, consumer, f"{group}-tid", events, overlap=overlap)
+    try:
+        batch = read_batch(consumer, N)
+
+        def fail_midway():
+            copy_into(loop, dst, batch[:3])()
+            loop.producer.flush(10)  # the records really are on the broker, in the open transaction
+            raise AbortableFailure()
+
+        assert loop.write(batch, fail_midway)
+        loop.settle()
+        assert events.aborted and isinstance(events.aborted[0], AbortableFailure) and not events.committed
+        assert read_output(cfg, dst) == []  # invisible to read_committed readers
+        assert len(read_output(cfg, dst, "read_uncommitted")) == 3  # though they were written
+        assert loop.rewound() == overlap  # seeks back to the batch's first offset (inline: write did)
+        again = read_batch(consumer, N)
+        assert [m.offset() for m in again] == [m.offset() for m in batch]  # re-delivered, all of it
+        assert loop.write(again, copy_into(loop, dst, again))
+        loop.settle()
+    finally:
+        loop.close_committer(False)
+        consumer.close()
+        loop.close_producer(False)
+    assert events.committed == [N]
+    assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]  # once each
+    assert committed_offset(cfg, group, src) == N
+
+
+def test_a_failed_transaction_rewinds_the_batch_read_after_it_too(stage):
+    """With overlap, batch N+1 is read while N commits; N fails: write(N+1) produces nothing and
+    both are read again from N's first offset."""
+    cfg, src, dst, group = stage
+    consumer, events = make_consumer(cfg, src, group), Events()
+
+    class FailFirstCommit(ExactlyOnceLoop):
+        fails = 1
+
+        def _commit(self, watch):
+            if self.fails:
+                self.fails -= 1
+                raise AbortableFailure()
+            super()._commit(watch)
+
+    loop = make_loop(cfg, consumer, f"{group}-tid", events, cls=FailFirstCommit, overlap=True)
+    try:
+        first = read_batch(consumer, 2)
+        assert loop.write(first, copy_into(loop, dst, first))
+        second = read_batch(consumer, N - 2)  # read while the first commit is on the commit thread
+        assert not loop.write(second, copy_into(loop, dst, second))  # the first failed: nothing written
+        again = read_batch(consumer, N)
+        assert [m.offset() for m in again] == list(range(N))
+        assert loop.write(again, copy_into(loop, dst, again))
+        loop.settle()
+    finally:
+        loop.close_committer(False)
+        consumer.close()
+        loop.close_producer(False)
+    assert len(events.aborted) == 1 and events.committed == [N]
+    assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
+
+
+def test_a_stuck_producer_is_replaced_and_its_batch_read_again(stage):
+    """A transaction call that never returns (WedgedClient, librdkafka #5456) replaces the producer
+    in-process: the new one's init_transactions fences the old one and aborts its transaction."""
+    cfg, src, dst, group = stage
+    consumer, events = make_consumer(cfg, src, group), Events()
+
+    class WedgedOnce(ExactlyOnceLoop):
+        wedges = 1
+
+        def _commit(self, watch):
+            if self.wedges:
+                self.wedges -= 1
+                self.producer.flush(10)
+                raise WedgedClient("commit_transaction did not return (injected)")
+            super()._commit(watch)
+
+    loop = make_loop(cfg, consumer, f"{group}-tid", events, cls=WedgedOnce)
+    try:
+        batch = read_batch(consumer, N)
+        old = loop.producer
+        assert loop.write(batch, copy_into(loop, dst, batch))  # fails inline, settles, rewinds
+        assert loop.producer is not old and len(events.replaced) == 1 and not events.aborted
+        assert read_output(cfg, dst) == []
+        again = read_batch(consumer, N)
+        assert loop.write(again, copy_into(loop, dst, again))
+    finally:
+        loop.close_committer(False)
+        consumer.close()
+        loop.close_producer(False)
+    assert events.committed == [N]
+    assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
+
+
+def test_a_second_instance_with_the_same_transactional_id_fences_the_first(stage):
+    cfg, src, dst, group = stage
+    tid = f"{group}-tid"
+    consumer, events = make_consumer(cfg, src, group), Events()
+    zombie = make_loop(cfg, consumer, tid, events)
+    batch = read_batch(consumer, N)
+    fresh_consumer, fresh_events = make_consumer(cfg, src, f"{group}-2"), Events()
+    fresh = make_loop(cfg, fresh_consumer, tid, fresh_events)  # init_transactions fences the zombie
+    try:
+        with pytest.raises(KafkaClientError) as ei:
+            zombie.write(batch, copy_into(zombie, dst, batch))
+        assert ei.value.fatal and not events.committed and not events.aborted  # fatal: raised, no retry
+        zombie.close_producer(True)  # a fenced producer is abandoned, not flushed
+        assert read_output(cfg, dst) == []
+        theirs = read_batch(fresh_consumer, N)
+        assert fresh.write(theirs, copy_into(fresh, dst, theirs))  # the new instance goes on
+    finally:
+        consumer.close()
+        fresh_consumer.close()
+        fresh.close_producer(False)
+    assert fresh_events.committed == [N]
+    assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
