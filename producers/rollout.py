@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from libs.chat import prompt_tokens
 from libs.engines import EngineContext, GenOutput, build_engine
 from pipeline.control import now_ms
-from pipeline.errors import DecodeError
+from pipeline.errors import DecodeError, DeliveryError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
@@ -55,6 +55,8 @@ from producers.sample import Sample
 from producers.weights import WeightSync
 
 log = logging.getLogger(__name__)
+STOP_FLUSH_SHARE = 0.75
+"""Share of ``liveness.shutdown_timeout_s`` a stop may spend finishing samples and waiting for acks."""
 
 
 class RolloutWorker(Worker):
@@ -129,7 +131,20 @@ class RolloutWorker(Worker):
         return True
 
     def finish(self) -> None:
-        self._drain(lambda tp: True)
+        """Finish the admitted samples, flush and commit, within the stop budget. If the broker does
+        not acknowledge the trajectories in time (an outage), their prompts stay uncommitted and the
+        next owner generates them again, as after a kill -9 (the trainer refuses a repeated
+        trajectory_id): a stop never waits out an outage."""
+        flush_by = time.monotonic() + STOP_FLUSH_SHARE * self.liveness.shutdown_timeout_s
+        try:
+            self._drain(lambda tp: True, flush_by=flush_by)
+        except DeliveryError as exc:
+            if exc.kafka_error is not None:  # a real delivery failure, not a broker that is away
+                raise
+            self.metrics.inc("stop_unflushed", self.producer.pending())
+            log.warning("the broker did not acknowledge every trajectory before the stop; their prompts are "
+                        "left uncommitted for the next owner %s", kv(queued=self.producer.pending(), error=exc))  # fmt: skip
+            return
         self.commits.commit(force=True)
 
     def close(self) -> None:
@@ -432,9 +447,11 @@ class RolloutWorker(Worker):
         )
 
     # -- rebalances (``producers.commits`` calls it) ------------------------------------------------
-    def _drain(self, pred) -> None:
+    def _drain(self, pred, flush_by: float | None = None) -> None:
         """Finish every admitted sample of partitions matching ``pred`` and wait for their acks (the
-        commit is the caller's); their queued, unadmitted messages are left to the next owner."""
+        commit is the caller's); their queued, unadmitted messages are left to the next owner. The
+        wait for acks rides out a broker outage (``liveness.outage_s``), or ends at ``flush_by``
+        (a monotonic time) with DeliveryError."""
         self.queue.drop(pred)
 
         def pending():
@@ -444,7 +461,8 @@ class RolloutWorker(Worker):
         while pending():
             self.beat()
             self._work_once(consume=False)
-        self.producer.flush_patiently(self.liveness.outage_s, "trajectories")
+        wait_s = self.liveness.outage_s if flush_by is None else max(0.5, flush_by - time.monotonic())
+        self.producer.flush_patiently(wait_s, "trajectories")
 
 
 def run(cfg, stop=None) -> dict:
