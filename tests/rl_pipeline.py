@@ -45,7 +45,7 @@ def settings(task_file: Path, prefix: str, steps: int, G: int = 8, n: int = 8, k
         "trainer.poll_timeout_s=0.2",
         "trainer.keep_weight_versions=3",
         "model.type=tiny",
-        *model_settings(),
+        *(f"model.{k}={json.dumps(v)}" for k, v in model_settings().items()),
     ]
 
 

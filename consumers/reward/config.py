@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from pipeline.config import StrictModel
+from pipeline.topology import DEFAULT as DEFAULT_IDENTITY
 
 
 class RewardSpec(StrictModel):
@@ -69,8 +70,9 @@ class SandboxConfig(StrictModel):
 
 
 class RewardConfig(StrictModel):
-    group_id: str = "rlstream-reward"
-    """Consumer group of the reward workers."""
+    group_id: str = DEFAULT_IDENTITY.group("reward")
+    """Consumer group of the reward workers (``rlstream-reward``; ``rlstream run`` names it after
+    the job: ``pipeline.topology.RunIdentity``)."""
     timeout_s: float = Field(10.0, gt=0, le=3600)
     """Wall-time limit of one reward call (all terms for one trajectory); past it -> DLQ reward_timeout."""
     worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
@@ -79,8 +81,8 @@ class RewardConfig(StrictModel):
     group_instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
     """Static membership (``group.instance.id``): a restart within the session timeout keeps the
     partitions without a rebalance. None: dynamic membership."""
-    transactional_id_prefix: str = Field("rlstream-reward", pattern=r"^[A-Za-z0-9._-]+$")
-    """The worker's ``transactional.id`` is ``<prefix>-<worker_id>``."""
+    transactional_id_prefix: str = Field(DEFAULT_IDENTITY.transactional_id_prefix, pattern=r"^[A-Za-z0-9._-]+$")
+    """The worker's ``transactional.id`` is ``<prefix>-<worker_id>`` (``pipeline.topology.transactional_id``)."""
     max_batch_size: int = Field(32, ge=1, le=100_000)
     """Most rollouts scored and committed in one transaction."""
     max_batch_ms: int = Field(500, ge=1, le=600_000)
