@@ -149,3 +149,30 @@ def test_typed_settings_need_no_parsing():
     assert base.rollout.worker_id == ""  # the original is not changed
     with pytest.raises(ConfigError, match=r"rl\.group_size"):
         with_settings(base, {"rl.group_size": 0})
+
+
+def test_a_role_with_settings_of_its_own_gets_its_own_config_file(tmp_path):
+    """The launcher starts such a role with ``--config <run dir>/roles/<name>.toml``, no ``--set``."""
+    from rlstream.launcher import Launcher, standard_roles
+
+    class Sup:
+        def start(self, name, args, may_exit=False):
+            self.started = (name, args)
+
+    cfg = load_config(None, [f"run_dir={tmp_path}"], environ={})
+    roles = {r.name: r for r in standard_roles(cfg, 1, 1, metrics_port_base=9100)}
+    launcher = Launcher(cfg, tmp_path, list(roles.values()), title="t", live=False, console=None)
+    shared = tmp_path / "config.toml"
+    sup = Sup()
+    launcher.start_role(sup, roles["reward-0"], shared)
+    name, args = sup.started
+    assert name == "reward-0" and args[:2] == ["reward", "--config"] and "--set" not in args
+    own = load_config(args[2], [], environ={})
+    assert (own.reward.worker_id, own.reward.group_instance_id, own.reward.prometheus_port) == (
+        "reward-0",
+        "reward-0",
+        9110,
+    )
+    assert own.reward.group_id == cfg.reward.group_id  # everything else is the run's
+    launcher.start_role(sup, roles["feed"], shared)
+    assert sup.started == ("feed", ["feed", "--config", str(shared)])  # nothing of its own: the run's file
