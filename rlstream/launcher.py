@@ -3,10 +3,11 @@ as supervised ``rlstream`` processes, with a live view, restarts, and a report a
 
 Steps (each a method of ``Launcher``), once ``run`` holds the job's lease (``rlstream.lease``: a
 second launch of a running job is refused before it writes or starts anything): ``prepare``
-(topics, the model built once, the resolved
-config written to the run dir; a role with settings of its own gets its own, ``roles/<name>.toml``) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
-refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
-its final version is evaluated, or fail when the run stalls: see below) → ``stop_roles`` →
+(topics, the model built once, the resolved config written to the run dir; a role with settings
+of its own, such as its worker id, gets its own file, ``roles/<name>.toml``) → ``start_roles`` →
+``watch`` (fold rl.metrics into ``Progress``, refresh lags, restart dead or hung roles, stop when
+the trainer finishes and, with an eval role, its final version is evaluated, or fail when the run
+stalls: see below) → ``stop_roles`` →
 ``write_report``. ``run(tick=...)`` calls ``tick()`` once per watch round, so a caller can act on
 the live run (``rlstream chaos`` injects its faults there and adds roles with ``add_role``); a
 string it returns ends the watch with that status. A role counts as hung when its process is alive but has published no
