@@ -274,7 +274,8 @@ def move_renamed(tree: dict, source: str = "config", renamed: Mapping[str, str] 
             raise ConfigError(
                 f"{source}: {old} = {value!r} (deprecated) and {new} = {current!r} disagree: set only {new}"
             )
-        warnings.warn(f"{source}: {old} is deprecated, use {new} (read as {new} = {value!r})", FutureWarning, 2)
+        # shown as "<source>:0: FutureWarning: ...": where the old key was given, not this line
+        warnings.warn_explicit(f"{old} is deprecated, use {new} (read as {new} = {value!r})", FutureWarning, source, 0)
         _set_path(tree, new, value, source)
     return tree
 
