@@ -21,6 +21,7 @@ from libs.engines.config import (  # noqa: F401  (re-exported: the rollout secti
     VLLMEngineConfig,
 )
 from pipeline.config import StrictModel
+from pipeline.topology import DEFAULT as DEFAULT_IDENTITY
 
 
 class FeedConfig(DatasetFields):
@@ -34,8 +35,6 @@ class FeedConfig(DatasetFields):
     """If set, each epoch is shuffled with ``seed + epoch`` (deterministic, so resume is exact)."""
     rate: float = Field(0.0, ge=0.0)
     """Most groups published per second; 0 = no limit."""
-    replicate: int = Field(1, ge=1, le=4096)
-    """Split each group's n samples over this many messages on distinct partitions (prompt replication)."""
     limit: int = Field(0, ge=0)
     """Feed at most this many groups in all (group_seq < limit; 0 = all ``epochs``). A total over
     every run of this feed, like ``epochs``: a restarted or re-run feed continues up to it and
@@ -83,8 +82,9 @@ class EnvConfig(StrictModel):
 
 
 class RolloutConfig(StrictModel):
-    group_id: str = Field("rlstream-rollout", min_length=1)
-    """Consumer group of the rollout workers on rl.prompts."""
+    group_id: str = Field(DEFAULT_IDENTITY.group("rollout"), min_length=1)
+    """Consumer group of the rollout workers on rl.prompts (``rlstream-rollout``; ``rlstream run``
+    names it after the job: ``pipeline.topology.RunIdentity``)."""
     worker_id: str = ""
     """Id in trajectories, metrics and client ids; '' = host-pid."""
     engine: EngineConfig = HFEngineConfig()

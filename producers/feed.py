@@ -5,7 +5,7 @@ Group numbering: the g-th group of the run (counting across epochs) gets ``group
 of N records (shuffled per epoch if ``shuffle_seed`` is set). Admission control in the rollout
 workers is driven by group_seq, so there is one feed per topic prefix.
 
-Prompt replication (``replicate = m``): a group's n samples are split into m messages
+Prompt replication (``rl.replicate = m``): a group's n samples are split into m messages
 (``sample_start``/``sample_count``) placed on m distinct partitions, so several workers generate
 one group; trajectories are still keyed by group_id. Without replication a group is one message,
 keyed (and partitioned) by group_id.
@@ -201,7 +201,7 @@ class Feed(Worker):
         r = self.records[self.order(epoch)[i]]
         n = r["n"] or self.cfg.rl.group_size
         group_id = f"{r['prompt_id']}@e{epoch}"
-        parts = split_group(n, self.fc.replicate)
+        parts = split_group(n, self.cfg.rl.replicate)
         base = zlib.crc32(group_id.encode()) % self.partitions
         out = []
         for j, (start, count) in enumerate(parts):

@@ -28,6 +28,7 @@ from pipeline.admin import Admin
 from pipeline.control import ControlFollower, may_admit
 from pipeline.kafka import client_conf
 from pipeline.log import kv
+from pipeline.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class Pacer:
         self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
         self.lead = cfg.feed.paced_lead_steps
         """Steps of groups published ahead of admission (the workers hold them until admitted)."""
-        self.group = cfg.rollout.group_id
+        self.group = Topology(cfg).group("rollout")
+        """The rollout workers' consumer group, whose committed offsets say what they took."""
         self.target = cfg.feed.paced_backlog
         self.control = ControlFollower(cfg, "feed-pacer")
         self.admin = Admin(client_conf(cfg, "feed-pacer"), cfg.kafka.request_timeout_s)

@@ -83,9 +83,9 @@ class RolloutWorker(Worker):
         pf = cfg.rollout.prefetch_samples
         self._prefetch = cfg.rollout.max_inflight if pf is None else pf
         """Admitted samples kept beyond the free slots (look-ahead)."""
-        self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.feed.replicate)))
+        self._per_msg = float(max(1, cfg.rl.group_size // max(1, cfg.rl.replicate)))
         """Samples per prompt message (smoothed): how many messages fit the free slots."""
-        self.restarts = StaleRestarts.of(self.rc, cfg.trainer.staleness_rule, self.k)
+        self.restarts = StaleRestarts.of(self.rc, cfg.rl.staleness_rule, self.k)
         self.hold = SampleHold() if self.restarts.finished else None
         """Finished samples held until their message's last one finishes (``rollout.restart_scope``)."""
 

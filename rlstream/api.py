@@ -68,7 +68,7 @@ class Job:
         self._name = name
         self._config = self._resolve()
 
-    def _resolve(self, flags: list[str] | None = None):
+    def _resolve(self, flags: dict | None = None):
         """The job's config as ``rlstream run`` resolves it (before the broker is known)."""
         from rlstream.config import record_job_dir
         from rlstream.job import resolve
@@ -113,7 +113,7 @@ class Job:
 
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ConfigError(f"steps={steps!r}: give a positive whole number of trainer steps")
-        flags = [f"trainer.max_steps={steps}"] if steps else []
+        flags = {"trainer.max_steps": steps} if steps else {}
         self._config = self._resolve(flags)
         keep = self.keep_broker if keep_broker is None else keep_broker
         report = launch(self.path, self.sets, preset=self._preset, name=self._name, flags=flags, keep_broker=keep,

@@ -212,14 +212,15 @@ def feed(
     source: Annotated[Path | None, typer.Argument(help="JSONL/JSON, Parquet, or a saved HF dataset dir.")] = None,
     epochs: int | None = typer.Option(None, "--epochs", help="Passes over the dataset (feed.epochs)."),
     rate: float | None = typer.Option(None, "--rate", help="Most groups per second, 0 = no limit (feed.rate)."),
-    replicate: int | None = typer.Option(None, "--replicate", help="Messages per group (feed.replicate)."),
+    replicate: int | None = typer.Option(None, "--replicate", help="Messages per group (rl.replicate)."),
     limit: int | None = typer.Option(None, "--limit", help="Most groups fed, over all runs (feed.limit)."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Publish prompts to the prompts topic (group_seq 0, 1, 2, ... across epochs); resumes where it stopped."""
-    opts = {"source": source, "epochs": epochs, "rate": rate, "replicate": replicate, "limit": limit}
-    cfg = load(config, [*(set_ or []), *(f"feed.{k}={json.dumps(str(v))}" for k, v in opts.items() if v is not None)])
+    opts = {"feed.source": source, "feed.epochs": epochs, "feed.rate": rate, "rl.replicate": replicate,
+            "feed.limit": limit}  # fmt: skip
+    cfg = load(config, set_, settings={k: v for k, v in opts.items() if v is not None})
     from producers.feed import run
 
     run(cfg)
@@ -257,7 +258,7 @@ def train(
     set_: SetOpt = None,
 ) -> None:
     """Run the trainer: consume scored groups, train, publish versioned weights (resumes from its checkpoint)."""
-    cfg = load(config, [*(set_ or []), *([f"trainer.engine.type={json.dumps(engine)}"] if engine else [])])
+    cfg = load(config, set_, settings={"trainer.engine.type": engine} if engine else None)
     from consumers.trainer.worker import run
 
     run(cfg, max_steps=max_steps)  # a multi-rank run ends inside, without interpreter teardown
@@ -278,7 +279,7 @@ def eval_(
     metrics topic. With --version N or --latest: that one version, once; the result is printed."""
     if latest and version is not None:
         raise typer.BadParameter("give --version N or --latest, not both")
-    cfg = load(config, [*(set_ or []), *([f"eval.source={json.dumps(str(source))}"] if source else [])])
+    cfg = load(config, set_, settings={"eval.source": source} if source else None)
     from consumers.eval.worker import run
 
     results = run(cfg, version=version, latest=latest)
@@ -339,8 +340,7 @@ def replay(
     run_id = time.strftime("%Y%m%d-%H%M%S")
     base = load(config, set_, resolve=False)
     run_dir = Path(base.run_dir) / f"replay-{run_id}"
-    cfg = load(config, [*(set_ or []), f"topics.prefix={json.dumps(to_prefix or f'replay-{run_id}.')}",
-                        f"run_dir={json.dumps(str(run_dir))}"])  # fmt: skip
+    cfg = load(config, set_, settings={"topics.prefix": to_prefix or f"replay-{run_id}.", "run_dir": run_dir})
     from rlstream.replay import run
 
     print(json.dumps(run(cfg, source_prefix, steps, from_run)))
@@ -404,7 +404,7 @@ def run_(
 
     sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
     path, sets = sources(job, set_)
-    flags = [f"trainer.max_steps={steps}"] if steps else []
+    flags = {"trainer.max_steps": steps} if steps else {}
     report = launch(path, sets, flags=flags, keep_broker=keep_broker, live=False if no_live else None, console=console)
     raise typer.Exit(0 if report["status"] == "ok" else 1)
 

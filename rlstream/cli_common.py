@@ -25,13 +25,14 @@ def sources(config: Path | None = None, set_: list[str] | None = None) -> tuple[
     return config or root.get("config"), [*root.get("set", []), *(set_ or [])]
 
 
-def load(config: Path | None = None, set_: list[str] | None = None, resolve: bool = True):
-    """Resolve the config, set up logging and (``resolve``) fix the Kafka bootstrap address; run by
-    hand, also check that a broker answers there (BrokerUnreachable, in one line, if none does)."""
+def load(config: Path | None = None, set_: list[str] | None = None, resolve: bool = True, settings=None):
+    """Resolve the config (``settings``: the command's own flags, dotted key -> value, over
+    ``--set``), set up logging and (``resolve``) fix the Kafka bootstrap address; run by hand, also
+    check that a broker answers there (BrokerUnreachable, in one line, if none does)."""
     from pipeline.log import setup_logging
     from rlstream.config import load_config, require_broker, resolve_bootstrap
 
-    cfg = load_config(*sources(config, set_))
+    cfg = load_config(*sources(config, set_), settings=settings)
     setup_logging(cfg.log_level)
     if resolve:
         resolve_bootstrap(cfg)

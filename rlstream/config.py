@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from pipeline.config import (
     StrictModel,
     TopicsConfig,
     load_tree,
+    move_renamed,
     validate,
 )
 from pipeline.kafka import DEFAULT_BOOTSTRAP, check_reachable, client_conf
@@ -149,6 +151,13 @@ class Config(StrictModel):
     def store(self) -> str:
         return self.checkpoint_store or str(Path(self.run_dir).resolve() / "checkpoints")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        """Deprecated keys (``pipeline.config.RENAMED``) in a tree given whole (``rlstream.Job``'s
+        dict, a merged preset): the loaders have already moved those of each layer."""
+        return move_renamed(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _cross_check(self):
         broker_max = int(self.broker.properties.get("message.max.bytes", 16 * 1024 * 1024))
@@ -165,10 +174,12 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     environ: dict[str, str] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Resolve the configuration from file, environment and overrides. Raises ConfigError."""
+    """Resolve the configuration from file, environment, ``--set`` overrides and typed ``settings``
+    (dotted key -> value, the top layer: what code sets). Raises ConfigError."""
     environ = os.environ if environ is None else environ
-    return validate(Config, load_tree(path or environ.get("RLSTREAM_CONFIG"), overrides, environ))
+    return validate(Config, load_tree(path or environ.get("RLSTREAM_CONFIG"), overrides, environ, settings))
 
 
 def resolve_bootstrap(cfg: Config) -> str:

@@ -24,8 +24,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pipeline.config import cli_overrides, load_tree
+from pipeline.config import load_tree, settings_tree
 from rlstream.config import record_job_dir
 
 TASK = "next_digit"
@@ -66,52 +67,53 @@ def write_task(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def demo_settings(run_dir: Path, run_id: str) -> list[str]:
-    """The demo's own settings (the lowest layer), as ``--set`` items."""
-    return [
-        f"topics.prefix=demo-{run_id}.",
-        "topics.prompts.partitions=4",
-        "topics.rollouts.partitions=4",
-        "topics.scored.partitions=2",
-        "rl.group_size=8",
-        "rl.groups_per_step=8",
-        f"feed.source={json.dumps(str(run_dir / 'task.jsonl'))}",
-        "feed.epochs=100000",
-        "feed.shuffle_seed=0",
-        "rollout.max_inflight=64",
-        "rollout.max_new_tokens=2",
-        "rollout.temperature=1.0",
-        "reward.executor=thread",
-        "reward.pool_size=1",
-        "reward.max_batch_ms=50",
-        "reward.metrics_interval_s=2",
-        f'reward.tasks={{{TASK} = [{{name = "exact_match", kwargs = {{extract_regex = "^(.)"}}}}]}}',
-        "trainer.lr=0.003",
-        "trainer.micro_batch_size=64",
-        "trainer.group_timeout_s=60",
-        "trainer.metrics_interval_s=2",
-        "trainer.keep_weight_versions=3",
-        *model_settings(),
-    ]
+def demo_settings(run_dir: Path, run_id: str) -> dict[str, Any]:
+    """The demo's own settings (the lowest layer), dotted key -> value
+    (``pipeline.config.settings_tree``)."""
+    return {
+        "topics.prefix": f"demo-{run_id}.",
+        "topics.prompts.partitions": 4,
+        "topics.rollouts.partitions": 4,
+        "topics.scored.partitions": 2,
+        "rl.group_size": 8,
+        "rl.groups_per_step": 8,
+        "feed.source": str(run_dir / "task.jsonl"),
+        "feed.epochs": 100000,
+        "feed.shuffle_seed": 0,
+        "rollout.max_inflight": 64,
+        "rollout.max_new_tokens": 2,
+        "rollout.temperature": 1.0,
+        "reward.executor": "thread",
+        "reward.pool_size": 1,
+        "reward.max_batch_ms": 50,
+        "reward.metrics_interval_s": 2,
+        "reward.tasks": {TASK: [{"name": "exact_match", "kwargs": {"extract_regex": "^(.)"}}]},
+        "trainer.lr": 0.003,
+        "trainer.micro_batch_size": 64,
+        "trainer.group_timeout_s": 60,
+        "trainer.metrics_interval_s": 2,
+        "trainer.keep_weight_versions": 3,
+        **model_settings(),
+    }
 
 
-def model_settings() -> list[str]:
-    """``DEMO_MODEL`` as ``--set`` items."""
-    return [f"model.{k}={json.dumps(v)}" for k, v in DEMO_MODEL.items()]
+def model_settings() -> dict[str, Any]:
+    """``DEMO_MODEL`` as settings, dotted key -> value."""
+    return {f"model.{k}": v for k, v in DEMO_MODEL.items()}
 
 
-def flag_settings(opts: DemoOptions) -> list[str]:
+def flag_settings(opts: DemoOptions) -> dict[str, Any]:
     """What the demo's command-line flags set (they win over the config file and --set)."""
-    sets = [f"trainer.max_steps={opts.steps}"]
+    settings: dict[str, Any] = {"trainer.max_steps": opts.steps}
     if opts.k is not None:
-        sets.append(f"rl.max_staleness={opts.k}")
+        settings["rl.max_staleness"] = opts.k
     if opts.model_path:
-        sets.append(f'model={{type = "pretrained", path = {json.dumps(opts.model_path)}}}')
+        settings["model"] = {"type": "pretrained", "path": opts.model_path}
     if opts.engine:
-        sets.append(f"rollout.engine={{type = {json.dumps(opts.engine)}}}")
+        settings["rollout.engine"] = {"type": opts.engine}
     if opts.topic_prefix:
-        sets.append(f"topics.prefix={json.dumps(opts.topic_prefix)}")
-    return sets
+        settings["topics.prefix"] = opts.topic_prefix
+    return settings
 
 
 def resolve(config_path, sets, opts: DemoOptions, run_id: str, bootstrap: str | None = None):
@@ -128,12 +130,15 @@ def plan(config_path, sets, opts: DemoOptions, run_id: str, bootstrap: str | Non
     """``resolve`` without writing anything: the config and its generated data (``rlstream.job.plan``)."""
     from rlstream.job import plan as plan_job
 
-    preset = cli_overrides(
-        [s for s in demo_settings(Path("."), run_id) if not s.startswith(("feed.source", "topics.prefix"))]
-    )
+    own = demo_settings(Path("."), run_id)
+    preset = settings_tree({k: v for k, v in own.items() if k not in ("feed.source", "topics.prefix")})
     preset["job"] = {"dataset": {"generator": "next_digit"}}
-    flags = [*flag_settings(opts), f"job.rollout_workers={opts.rollout_workers}",
-             f"job.reward_workers={opts.reward_workers}", f"job.metrics_port_base={opts.metrics_port_base}"]  # fmt: skip
+    flags = {
+        **flag_settings(opts),
+        "job.rollout_workers": opts.rollout_workers,
+        "job.reward_workers": opts.reward_workers,
+        "job.metrics_port_base": opts.metrics_port_base,
+    }
     tree = load_tree(config_path, sets, dict(os.environ))
     if not tree.get("trainer", {}).get("dynamic_sampling"):  # filtered groups need more prompts: no cap
         groups_per_step = tree.get("rl", {}).get("groups_per_step", 8)

@@ -21,10 +21,13 @@ import copy
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from pipeline.config import cli_overrides, load_tree, merge, validate
+from pipeline.config import load_tree, merge, settings_tree, validate
 from pipeline.errors import ConfigError
+from pipeline.topology import RunIdentity
 
 
 def _has(tree: dict, dotted: str) -> bool:
@@ -36,9 +39,15 @@ def _has(tree: dict, dotted: str) -> bool:
     return True
 
 
+def unset_only(tree: dict, settings: dict) -> dict:
+    """The dotted ``settings`` the raw ``tree`` leaves unset, as a tree to merge."""
+    return settings_tree({k: v for k, v in settings.items() if not _has(tree, k)})
+
+
 def resolve(config_path, sets: list[str], preset: dict | None = None, name: str | None = None,
-            flags: list[str] | None = None, bootstrap: str | None = None):  # fmt: skip
-    """The job's config: ``preset`` < the job file < env < ``--set`` < ``flags``, then the job's own
+            flags: Mapping[str, Any] | None = None, bootstrap: str | None = None):  # fmt: skip
+    """The job's config: ``preset`` < the job file < env < ``--set`` < ``flags`` (typed settings,
+    dotted key -> value: a command's own flags), then the job's own
     places (topic prefix, consumer groups, transactional ids, run dir, generated data) where the
     layers left them unset. The generated data is written into the run dir (``plan`` writes nothing)."""
     cfg, data = plan(config_path, sets, preset, name, flags, bootstrap)
@@ -47,7 +56,7 @@ def resolve(config_path, sets: list[str], preset: dict | None = None, name: str 
 
 
 def plan(config_path, sets: list[str], preset: dict | None = None, name: str | None = None,
-         flags: list[str] | None = None, bootstrap: str | None = None):  # fmt: skip
+         flags: Mapping[str, Any] | None = None, bootstrap: str | None = None):  # fmt: skip
     """``resolve`` without writing anything: the config and the generated dataset's files (path ->
     text), which ``write_data`` writes once the checks before start (``rlstream.preflight``) passed,
     so a job refused by them leaves no run dir behind."""
@@ -55,21 +64,17 @@ def plan(config_path, sets: list[str], preset: dict | None = None, name: str | N
 
     path = config_path or os.environ.get("RLSTREAM_CONFIG")
     tree = layers(path, sets, preset)
-    merge(tree, cli_overrides(flags or []))
+    merge(tree, settings_tree(flags, "flags"))
     job = tree.setdefault("job", {})
     job["name"] = name or job.get("name") or (Path(path).stem if path else "")
     if not job["name"]:
         raise ConfigError('a job needs a name: [job] name = "..." (or a job file, whose name is used)')
     base = Path(tree.get("run_dir", "runs"))
     tree["run_dir"] = str((base / job["name"]).resolve())
-    if not _has(tree, "topics.prefix"):
-        tree.setdefault("topics", {})["prefix"] = f"{job['name']}."
-    # the job's own consumer groups and transactional ids: two jobs on one cluster (or a demo run
-    # after another) never share a group, so neither waits out the other's static members
-    for key in ("rollout.group_id", "reward.group_id", "trainer.group_id", "reward.transactional_id_prefix"):
-        if not _has(tree, key):
-            section, field = key.split(".")
-            tree.setdefault(section, {})[field] = f"{job['name']}-{section}"
+    # the job's topics, consumer groups and transactional ids (pipeline.topology), where unset: two
+    # jobs on one cluster (or a demo run after another) never share a group, so neither waits out
+    # the other's static members
+    merge(tree, unset_only(tree, RunIdentity.of_job(job["name"]).settings()))
     if bootstrap:
         tree.setdefault("kafka", {})["bootstrap_servers"] = bootstrap
     cfg = validate(Config, tree)
@@ -174,7 +179,7 @@ def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say):
 
 
 def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str | None = None,
-           flags: list[str] | None = None, keep_broker: bool = False, live: bool | None = None,
+           flags: Mapping[str, Any] | None = None, keep_broker: bool = False, live: bool | None = None,
            console=None) -> dict:  # fmt: skip
     """``rlstream run`` (and ``rlstream.Job.run``): the job's config (``plan``: nothing written yet),
     the job file's directory for reward modules, the checks before start and the job's Kafka

@@ -13,6 +13,7 @@ import shutil
 
 from pipeline.errors import BrokerError
 from pipeline.kafka import ASSIGN_ONLY_GROUP_PREFIX
+from pipeline.topology import STAGES, TRANSACTIONAL_STAGE, Topology
 
 KAFKA_TOOLS = {
     "consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
@@ -122,35 +123,19 @@ def role_acls(cfg, principals: dict[str, str] | None = None) -> dict[str, list]:
     def reader(role):  # assign()-only consumers (control followers, scans) still look up their group
         return group(role, ASSIGN_ONLY_GROUP_PREFIX, "describe", "prefixed")
 
-    acls = {
-        "feed": [
-            *topic("feed", "prompts", "write", "read"),
-            *topic("feed", "control", "write", "read"),
-            *reader("feed"),
-        ],
-        "rollout": [
-            *topic("rollout", "prompts", "read"),
-            *group("rollout", cfg.rollout.group_id),
-            *topic("rollout", "control", "read"),
-            *reader("rollout"),
-            *(a for name in ("rollouts", "metrics", "dlq") for a in topic("rollout", name, "write")),
-        ],
-        "reward": [
-            *topic("reward", "rollouts", "read"),
-            *group("reward", cfg.reward.group_id),
-            *(a for name in ("scored", "metrics", "dlq") for a in topic("reward", name, "write")),
-            Acl(
-                principals["reward"], "transactional_id", f"{cfg.reward.transactional_id_prefix}-", "write", "prefixed"
-            ),
-        ],
-        "trainer": [
-            *topic("trainer", "scored", "read"),
-            *group("trainer", cfg.trainer.group_id),
-            *topic("trainer", "control", "write", "read"),
-            *reader("trainer"),
-            *(a for name in ("metrics", "dlq") for a in topic("trainer", name, "write")),
-        ],
-    }
+    topo = Topology(cfg)
+    acls = {}
+    for role in ROLES:  # what each stage reads, follows and writes: pipeline.topology
+        stage = STAGES[role]
+        acls[role] = [
+            *(topic(role, stage.input, "read") if stage.input else []),
+            *(group(role, topo.group(role)) if stage.input else []),
+            *(a for name in stage.follows for a in topic(role, name, "read")),
+            *(reader(role) if stage.follows else []),
+            *(a for name in stage.outputs for a in topic(role, name, "write")),
+        ]
+        if role == TRANSACTIONAL_STAGE:
+            acls[role].append(Acl(principals[role], "transactional_id", topo.transactional_id(""), "write", "prefixed"))
     if cfg.feed.dispatch == "paced":  # the feed reads the rollout group's committed offsets
-        acls["feed"] += group("feed", cfg.rollout.group_id, "describe")
+        acls["feed"] += group("feed", topo.group("rollout"), "describe")
     return acls

@@ -3,10 +3,11 @@ as supervised ``rlstream`` processes, with a live view, restarts, and a report a
 
 Steps (each a method of ``Launcher``), once ``run`` holds the job's lease (``rlstream.lease``: a
 second launch of a running job is refused before it writes or starts anything): ``prepare``
-(topics, the model built once, the resolved
-config written to the run dir) → ``start_roles`` → ``watch`` (fold rl.metrics into ``Progress``,
-refresh lags, restart dead or hung roles, stop when the trainer finishes and, with an eval role,
-its final version is evaluated, or fail when the run stalls: see below) → ``stop_roles`` →
+(topics, the model built once, the resolved config written to the run dir; a role with settings
+of its own, such as its worker id, gets its own file, ``roles/<name>.toml``) → ``start_roles`` →
+``watch`` (fold rl.metrics into ``Progress``, refresh lags, restart dead or hung roles, stop when
+the trainer finishes and, with an eval role, its final version is evaluated, or fail when the run
+stalls: see below) → ``stop_roles`` →
 ``write_report``. ``run(tick=...)`` calls ``tick()`` once per watch round, so a caller can act on
 the live run (``rlstream chaos`` injects its faults there and adds roles with ``add_role``); a
 string it returns ends the watch with that status. A role counts as hung when its process is alive but has published no
@@ -31,16 +32,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.markup import escape
 
 from consumers.tracking.worker import Tracker
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
-from pipeline.config import dump_toml
+from pipeline.config import dump_toml, with_settings
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
+from pipeline.topology import stage_lags
 from rlstream.lease import JobLease
 from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
@@ -57,7 +60,9 @@ class RoleSpec:
     """Process name (log file ``logs/<name>.log``); also the worker id of rollout/reward workers."""
     command: str
     """rlstream subcommand: feed | rollout | reward | train."""
-    sets: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """This process's own settings over the run's config, dotted key -> value (its worker id, ...):
+    it is started with its own resolved config file, ``<run dir>/roles/<name>.toml``."""
     may_exit: bool = False
     """The role finishes by itself (feed, trainer): exit 0 is not a death."""
     metrics_port: int = 0
@@ -79,6 +84,15 @@ def metrics_port(base: int, role: str, i: int, rollout_workers: int, reward_work
     return base + {"rollout": 0, "reward": block, "trainer": 2 * block, "eval": 3 * block}[role] + i
 
 
+def role_config(cfg, run_dir: Path, name: str, settings: dict[str, Any]) -> Path:
+    """Write the config of one role process, ``cfg`` with its own ``settings`` (dotted key -> value:
+    worker id, static membership, Prometheus port) applied, to ``<run_dir>/roles/<name>.toml``."""
+    path = Path(run_dir) / "roles" / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(with_settings(cfg, settings)))
+    return path
+
+
 def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_base: int = 0) -> list[RoleSpec]:
     """feed, trainer, reward-i, rollout-i; with ``metrics_port_base`` Prometheus ports (``metrics_port``)."""
 
@@ -95,13 +109,13 @@ def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_
         RoleSpec(
             f"reward-{i}",
             "reward",
-            [f"reward.worker_id=reward-{i}", f"reward.group_instance_id=reward-{i}"],
+            {"reward.worker_id": f"reward-{i}", "reward.group_instance_id": f"reward-{i}"},
             metrics_port=port("reward", i),
         )
         for i in range(reward_workers)
     ]
     roles += [
-        RoleSpec(f"rollout-{i}", "rollout", [f"rollout.worker_id=rollout-{i}"], metrics_port=port("rollout", i))
+        RoleSpec(f"rollout-{i}", "rollout", {"rollout.worker_id": f"rollout-{i}"}, metrics_port=port("rollout", i))
         for i in range(rollout_workers)
     ]
     return roles
@@ -152,10 +166,15 @@ class Launcher:
             self.start_role(sup, r, config_path)
 
     def start_role(self, sup: Supervisor, r: RoleSpec, config_path: Path) -> None:
+        sup.start(r.name, [r.command, "--config", str(self.role_config(r, config_path))], may_exit=r.may_exit)
+
+    def role_config(self, r: RoleSpec, config_path: Path) -> Path:
+        """The config file a role starts with: the run's, or with the role's own settings (and its
+        Prometheus port) applied, ``<run dir>/roles/<name>.toml``; nothing is passed as a string
+        for the role to parse again."""
         prom = {"rollout": "rollout", "reward": "reward", "train": "trainer", "eval": "eval"}
-        sets = [*r.sets, *([f"{prom[r.command]}.prometheus_port={r.metrics_port}"] if r.metrics_port else [])]
-        args = [r.command, "--config", str(config_path), *(x for s in sets for x in ("--set", s))]
-        sup.start(r.name, args, may_exit=r.may_exit)
+        own = {**r.settings, **({f"{prom[r.command]}.prometheus_port": r.metrics_port} if r.metrics_port else {})}
+        return role_config(self.cfg, self.run_dir, r.name, own) if own else config_path
 
     def add_role(self, r: RoleSpec) -> None:
         """Start one more role in the running pipeline (watched for hangs like the others)."""
@@ -354,16 +373,8 @@ class Launcher:
             admin.close()
 
     def _refresh_lags(self, admin: Admin) -> bool:
-        cfg = self.cfg
         try:
-            self.lags = {
-                s: sum(admin.lag(g, cfg.topics.name(t)).values())
-                for s, g, t in (
-                    ("rollout", cfg.rollout.group_id, "prompts"),
-                    ("reward", cfg.reward.group_id, "rollouts"),
-                    ("trainer", cfg.trainer.group_id, "scored"),
-                )
-            }
+            self.lags = stage_lags(admin, self.cfg)
         except Exception as exc:  # a display must survive a broker hiccup; the roles themselves are supervised
             log.warning("lag unavailable this round %s", kv(error=exc))
             return False

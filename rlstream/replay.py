@@ -23,7 +23,7 @@ Which groups each step takes:
 
 What is reproduced exactly: per step, the groups, the samples used, dropped as stale, dropped as
 incomplete, filtered and masked as overlong, given the same ``rl.max_staleness``,
-``trainer.staleness_rule``, ``incomplete_groups`` and ``overlong_filter`` (the schedule fixes the
+``rl.staleness_rule``, ``incomplete_groups`` and ``overlong_filter`` (the schedule fixes the
 groups and their members; the gate decides again, at the same versions). Equal losses and weights
 need, in addition, the same model, trainer settings (loss, optimizer, micro-batching, minibatches,
 seed), engine, world size and hardware and library versions: floating-point reductions are only

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = ("rollout", "reward", "trainer")
-"""Pipeline order; the keys of the launcher's lags."""
+from pipeline.topology import PIPELINE
+
+STAGES = PIPELINE
+"""Pipeline order (``pipeline.topology``); the keys of the launcher's lags."""
 OUTPUT = {
     "rollout": ("trajectories", "no trajectory"),
     "reward": ("scored", "nothing scored"),

@@ -19,17 +19,8 @@ from pipeline import codec
 from pipeline.admin import Admin
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
+from pipeline.topology import STAGES, Topology
 from rlstream.stall import DeadLetters
-
-STAGES = (  # stage, input topic role, consumer group attribute, output topic role
-    ("rollout", "prompts", "rollout", "rollouts"),
-    ("reward", "rollouts", "reward", "scored"),
-    ("trainer", "scored", "trainer", None),
-)
-
-
-def _group_id(cfg, section: str) -> str | None:
-    return getattr(getattr(cfg, section, None), "group_id", None)
 
 
 class StatusReader:
@@ -107,10 +98,8 @@ class StatusReader:
 
     def offsets(self) -> dict[str, dict]:
         out = {}
-        for stage, in_role, section, _ in STAGES:
-            topic = self.cfg.topics.name(in_role)
+        for stage, topic, group in Topology(self.cfg).inputs():
             marks = self.admin.watermarks(topic)
-            group = _group_id(self.cfg, section)
             committed = self.admin.committed(group, topic, len(marks)) if group else {}
             out[stage] = {"topic": topic, "group": group, "marks": marks, "committed": committed}
         return out
@@ -132,13 +121,13 @@ class StatusReader:
         ctl = self.control()
         version = ctl["trainer_version"]
         stages = {}
-        for stage, in_role, _, _ in STAGES:
+        for stage in first:
             a, b = first[stage], second[stage]
             parts = {}
             for p, (lo, hi) in b["marks"].items():
                 c = b["committed"].get(p, -1)
                 pos = c if c >= 0 else lo
-                rec = self._record_at(b["topic"], p, pos, hi) if in_role != "prompts" and hi > pos else None
+                rec = self._record_at(b["topic"], p, pos, hi) if STAGES[stage].input != "prompts" and hi > pos else None
                 vmin = (rec.get("trajectory", rec) or {}).get("version_min") if rec else None
                 parts[p] = {
                     "end_offset": hi,

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.topology import RunIdentity
 from rlstream.demo import TASK, model_settings, write_task  # noqa: F401  (write_task: the tests' task file)
 
 
@@ -30,22 +31,21 @@ def settings(task_file: Path, prefix: str, steps: int, G: int = 8, n: int = 8, k
         "feed.epochs=100000",
         "feed.shuffle_seed=0",
         f"feed.limit={steps * G * 4 + 64}",
-        f"rollout.group_id={prefix}rollout",
         "rollout.max_inflight=64",
         "rollout.max_new_tokens=2",
         "rollout.temperature=1.0",
-        f"reward.group_id={prefix}reward",
         "reward.executor=thread",
         "reward.pool_size=1",
         "reward.max_batch_ms=50",
         f'reward.tasks={{{TASK} = [{{name = "exact_match", kwargs = {{extract_regex = "^(.)"}}}}]}}',
-        f"trainer.group_id={prefix}trainer",
         "trainer.micro_batch_size=64",
         "trainer.group_timeout_s=120",
         "trainer.poll_timeout_s=0.2",
         "trainer.keep_weight_versions=3",
         "model.type=tiny",
-        *model_settings(),
+        *(f"model.{k}={json.dumps(v)}" for k, v in model_settings().items()),
+        # the run's consumer groups and transactional ids under the test's prefix
+        *(f"{k}={json.dumps(v)}" for k, v in RunIdentity.of_prefix(prefix).settings().items() if k != "topics.prefix"),
     ]
 
 

@@ -34,8 +34,8 @@ def test_every_shipped_demo_job_states_the_demo_model(name):
 
 
 def test_the_demo_sets_its_model_and_vllm_cpu_takes_its_head_size(tmp_path):
-    sets = [s for s in demo_settings(tmp_path, "x") if s.startswith("model.")]
-    assert {s.split("=", 1)[0].removeprefix("model.") for s in sets} == set(DEMO_MODEL)
+    sets = {k.removeprefix("model."): v for k, v in demo_settings(tmp_path, "x").items() if k.startswith("model.")}
+    assert sets == DEMO_MODEL
     cfg = TinyModelConfig(**DEMO_MODEL)
     assert cfg.hidden_size // cfg.num_heads in CPU_HEAD_SIZES
     d = materialize(cfg, tmp_path / "models")  # the saved HF config says so too (what vLLM reads)

@@ -50,7 +50,7 @@ def test_epochs_number_groups_globally(make_config):
 
 @pytest.mark.kafka
 def test_replicate_spreads_a_group_over_partitions(make_config):
-    cfg = make_config(f"feed.source={DATA}", "feed.replicate=3", "rl.group_size=4", "feed.limit=6")
+    cfg = make_config(f"feed.source={DATA}", "rl.replicate=3", "rl.group_size=4", "feed.limit=6")
     feed.run(cfg)
     msgs = read_topic(cfg, "prompts", "Prompt", 18)
     groups = collections.defaultdict(list)

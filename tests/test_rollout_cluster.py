@@ -54,7 +54,7 @@ def check_keys_and_placement(cfg, msgs):
 
 
 def test_two_workers_share_one_replicated_feed_exactly_once(make_config, cli_env, tmp_path):
-    cfg = make_config(f"feed.source={DATA}", "feed.epochs=2", "feed.replicate=2", "feed.rate=8", "rl.group_size=4")
+    cfg = make_config(f"feed.source={DATA}", "feed.epochs=2", "rl.replicate=2", "feed.rate=8", "rl.group_size=4")
     env = {"RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S": "6", "RLSTREAM_ROLLOUT__MAX_NEW_TOKENS": "48"}
     procs = [start_worker(cli_env, tmp_path, w, **env) for w in ("wa", "wb")]
     try:

@@ -127,9 +127,9 @@ def secured(tmp_path_factory):
     """A local broker with ``security = "sasl_ssl"`` and one user per role, its topics created by
     admin, each role granted ``role_acls``, and a job config without credentials."""
     from pipeline.admin import Admin, ensure_topics
-    from pipeline.config import dump_toml
+    from pipeline.config import cli_overrides, dump_toml, merge, settings_tree, validate
     from rlstream.broker import LocalBroker
-    from rlstream.config import BrokerConfig
+    from rlstream.config import BrokerConfig, Config
     from rlstream.demo import demo_settings, write_task
 
     root = tmp_path_factory.mktemp("security")
@@ -139,7 +139,6 @@ def secured(tmp_path_factory):
         bootstrap = state["bootstrap"]
         write_task(root / "task.jsonl")
         sets = [
-            *demo_settings(root, "sec"),
             "topics.prefix=sec.",
             f"kafka.bootstrap_servers={bootstrap}",
             f"run_dir={json.dumps(str(root / 'runs'))}",
@@ -147,9 +146,13 @@ def secured(tmp_path_factory):
             "rl.max_staleness=1",
             *TINY,
         ]
-        cfg = load_config(None, sets, environ={})
+
+        def config(*more):  # the demo's settings < these
+            return validate(Config, merge(settings_tree(demo_settings(root, "sec")), cli_overrides([*sets, *more])))
+
+        cfg = config()
         (root / "job.toml").write_text(dump_toml(cfg))
-        admin_cfg = load_config(None, [*sets, common_set(broker.client_conf("admin"))], environ={})
+        admin_cfg = config(common_set(broker.client_conf("admin")))
         assert set(ensure_topics(admin_cfg).values()) == {"created"}
         admin = Admin({"bootstrap.servers": bootstrap, **broker.client_conf("admin")}, timeout=30)
         acls = role_acls(cfg)

@@ -1,4 +1,4 @@
-"""``trainer.staleness_rule = "token"``: which tokens a partial rollout keeps for given version marks,
+"""``rl.staleness_rule = "token"``: which tokens a partial rollout keeps for given version marks,
 k and step version (hand-computed), the step plan and dynamic sampling under it, masked tokens
 contributing exactly nothing to any loss (value, gradient, GSPO's sequence ratio) even with extreme
 recorded logprobs, padded and packed micro-batches agreeing, the trainer on a real broker writing
@@ -249,7 +249,7 @@ def test_trainer_masks_old_tokens_and_the_audit_agrees(make_config):
     from tests.test_trainer import TINY, ScoredProducer
 
     cfg = make_config(*TINY, "rl.group_size=2", "rl.groups_per_step=1", "rl.max_staleness=1",
-                      "topics.scored.partitions=1", "trainer.staleness_rule=token", "trainer.poll_timeout_s=0.2")  # fmt: skip
+                      "topics.scored.partitions=1", "rl.staleness_rule=token", "trainer.poll_timeout_s=0.2")  # fmt: skip
     sp = ScoredProducer(cfg)
     sp.send([_record("g0", i, 0, 0, "0@0", seq=0) for i in range(2)])
     sp.send([_record("g1", i, 1, 1, "0@1", seq=1) for i in range(2)])

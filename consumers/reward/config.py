@@ -11,21 +11,23 @@ import math
 from pydantic import Field, model_validator
 
 from libs.rewards.config import RewardSpec, SandboxConfig, ScoringConfig  # noqa: F401  (re-exported)
+from pipeline.topology import DEFAULT as DEFAULT_IDENTITY
 
 
 class RewardConfig(ScoringConfig):
     """The reward workers' section: scoring (``ScoringConfig``) plus the consumer group, transactions, batching and metrics."""
 
-    group_id: str = "rlstream-reward"
-    """Consumer group of the reward workers."""
+    group_id: str = DEFAULT_IDENTITY.group("reward")
+    """Consumer group of the reward workers (``rlstream-reward``; ``rlstream run`` names it after
+    the job: ``pipeline.topology.RunIdentity``)."""
     worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
     """This worker's id. None: ``<hostname>-<pid>``. Keep it stable across restarts so the
     transactional id (and with it zombie fencing) carries over."""
     group_instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
     """Static membership (``group.instance.id``): a restart within the session timeout keeps the
     partitions without a rebalance. None: dynamic membership."""
-    transactional_id_prefix: str = Field("rlstream-reward", pattern=r"^[A-Za-z0-9._-]+$")
-    """The worker's ``transactional.id`` is ``<prefix>-<worker_id>``."""
+    transactional_id_prefix: str = Field(DEFAULT_IDENTITY.transactional_id_prefix, pattern=r"^[A-Za-z0-9._-]+$")
+    """The worker's ``transactional.id`` is ``<prefix>-<worker_id>`` (``pipeline.topology.transactional_id``)."""
     max_batch_size: int = Field(32, ge=1, le=100_000)
     """Most rollouts scored and committed in one transaction."""
     max_batch_ms: int = Field(500, ge=1, le=600_000)

@@ -33,6 +33,7 @@ from pipeline.errors import DecodeError, DeliveryError
 from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.records import check_trajectory
+from pipeline.topology import transactional_id
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class RewardWorker(Worker):
     def __init__(self, cfg):
         super().__init__(cfg, cfg.reward.worker_id)
         self.rc = cfg.reward
-        self.transactional_id = f"{self.rc.transactional_id_prefix}-{self.worker_id}"
+        self.transactional_id = transactional_id(self.rc.transactional_id_prefix, self.worker_id)
         self.topic_in = cfg.topics.name("rollouts")
         self.topic_out = cfg.topics.name("scored")
         self.topic_dlq = cfg.topics.name("dlq")

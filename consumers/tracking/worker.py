@@ -35,6 +35,7 @@ from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
 from pipeline.records import LAG_PREFIX, lag_counts, step_samples
+from pipeline.topology import stage_lags
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,6 @@ class TrackWorker(Worker):
         self.admin = Admin(client_conf(cfg, "track"), cfg.kafka.request_timeout_s)
 
     def run_once(self) -> bool:
-        cfg = self.cfg
         for msg in self.consumer.consume(1000, 0.5):
             try:
                 self.tracker.add(codec.decode_as(msg.value(), "MetricEvent"))
@@ -156,9 +156,7 @@ class TrackWorker(Worker):
                 continue  # a foreign record on the metrics topic
         if time.monotonic() - self._last_lag > 10:
             self._last_lag = time.monotonic()
-            stages = (("rollout", cfg.rollout.group_id, "prompts"), ("reward", cfg.reward.group_id, "rollouts"),
-                      ("trainer", cfg.trainer.group_id, "scored"))  # fmt: skip
-            self.tracker.lags({s: sum(self.admin.lag(g, cfg.topics.name(t)).values()) for s, g, t in stages})
+            self.tracker.lags(stage_lags(self.admin, self.cfg))
         return True
 
     def close(self) -> None:

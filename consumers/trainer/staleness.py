@@ -1,4 +1,4 @@
-"""The hard staleness bound, per sample or per token (``trainer.staleness_rule``).
+"""The hard staleness bound, per sample or per token (``rl.staleness_rule``).
 
 At trainer version ``v`` (the step that produces ``v + 1``), with ``k = rl.max_staleness``:
 

@@ -8,7 +8,7 @@ Per trainer step (version ``v`` -> ``v + 1``):
      are counted, logged with the step, and reported to the producers as consumed:
      ``groups_consumed`` progress records and ``WeightUpdate.consumed_groups``);
   2. ``batch.plan_step``: drop samples with ``v - version_min > k`` (counted as ``stale_dropped``;
-     with ``staleness_rule = "token"`` only the tokens older than ``v - k`` are masked, and only a
+     with ``rl.staleness_rule = "token"`` only the tokens older than ``v - k`` are masked, and only a
      sample with nothing trainable left is dropped), apply the incomplete-group policy, compute
      advantages, mask truncated samples (``overlong_filter``);
   3. the engine runs ``minibatches`` optimizer steps over the remaining samples;
@@ -220,14 +220,14 @@ class Trainer(Worker):
 
     @property
     def _token_rule(self) -> bool:
-        return self.tc.staleness_rule == "token"
+        return self.cfg.rl.staleness_rule == "token"
 
     def _select(self):
         """The step's groups from the selector (None: wait); groups dynamic sampling set aside now
         join ``_filtered`` (they go with the next step)."""
         tc, keep = self.tc, None
         if tc.dynamic_sampling:
-            args = (self.version, self.k, tc.incomplete_groups, tc.dynamic_sampling_tol, tc.staleness_rule)
+            args = (self.version, self.k, tc.incomplete_groups, tc.dynamic_sampling_tol, self.cfg.rl.staleness_rule)
             keep = lambda g: informative(g, *args)  # noqa: E731
         filtered, groups = self.selector.select(self.assembler, self.version, self._at_end, self.step, keep)
         if filtered:
@@ -283,7 +283,13 @@ class Trainer(Worker):
                 return "idle", None
         tc = self.tc
         plan = plan_step(
-            groups, self.version, self.k, tc.incomplete_groups, tc.advantage, tc.overlong_filter, tc.staleness_rule
+            groups,
+            self.version,
+            self.k,
+            tc.incomplete_groups,
+            tc.advantage,
+            tc.overlong_filter,
+            self.cfg.rl.staleness_rule,
         )
         self._current = (groups, plan, self._filtered)
         self._filtered = []

@@ -38,8 +38,9 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from pipeline.config import cli_overrides, load_tree, merge, validate
+from pipeline.config import load_tree, merge, settings_tree, validate
 from pipeline.log import kv, setup_logging
+from pipeline.topology import RunIdentity
 from rlstream.demo import TASK, demo_settings, write_task
 from rlstream.dev import chaos_audit
 from rlstream.launcher import Launcher, RoleSpec, standard_roles
@@ -69,14 +70,14 @@ SIZES = {
     },
 }
 TASK_RECORDS = 10  # write_task's prompts; the feed cycles over them in epochs
-CHAOS_SETTINGS = [  # below the user's --config/--set: a fault run's liveness bounds
-    "liveness.watchdog_s=30",
-    "liveness.shutdown_timeout_s=20",
-    "liveness.slow_op_s=300",
+CHAOS_SETTINGS = {  # below the user's --config/--set: a fault run's liveness bounds
+    "liveness.watchdog_s": 30,
+    "liveness.shutdown_timeout_s": 20,
+    "liveness.slow_op_s": 300,
     # a group waits this long for its last samples: a kill -9 or a broker restart delays them by a
     # session timeout (45 s) plus a restart; the demo's 60 s would close groups early
-    "trainer.group_timeout_s=300",
-]
+    "trainer.group_timeout_s": 300,
+}
 BASE_ROLES = ["feed", "trainer", "rollout-0", "rollout-1", "reward-0", "reward-1"]
 
 
@@ -263,8 +264,8 @@ class Chaos:
                     name = f"{r.name[:-2]}-{f.target}"
                     # a joiner is a dynamic member (no group.instance.id): its leave rebalances at once,
                     # as an autoscaled worker's should
-                    sets = [s.replace(r.name, name) for s in r.sets if "group_instance_id" not in s]
-                    self.launcher.add_role(RoleSpec(name, r.command, sets))
+                    own = {k: v.replace(r.name, name) for k, v in r.settings.items() if "group_instance_id" not in k}
+                    self.launcher.add_role(RoleSpec(name, r.command, own))
             return self._done(f, t, f"joined rollout-{f.target}, reward-{f.target}")
         elif f.kind == "leave":
             names = [f"rollout-{f.target}", f"reward-{f.target}"]
@@ -331,31 +332,21 @@ def resolve(config_path, sets, run_dir: Path, run_id: str, bootstrap: str, p: di
     """The run's config: the demo's settings < fault-run liveness < the user's file/env/--set < the run's own."""
     from rlstream.config import Config
 
-    tree = cli_overrides(demo_settings(run_dir, run_id))
-    merge(tree, cli_overrides(CHAOS_SETTINGS))
+    tree = settings_tree(demo_settings(run_dir, run_id))
+    merge(tree, settings_tree(CHAOS_SETTINGS))
     merge(tree, load_tree(config_path or os.environ.get("RLSTREAM_CONFIG"), sets, dict(os.environ)))
     g = tree.get("rl", {}).get("groups_per_step", 8)
-    prefix = f"chaos-{run_id}."
     feed_span = 0.8 * p["duration_s"]
-    merge(
-        tree,
-        cli_overrides(
-            [
-                f"topics.prefix={prefix}",
-                f"rollout.group_id={prefix}rollout",
-                f"reward.group_id={prefix}reward",
-                f"reward.transactional_id_prefix={prefix}reward",
-                f"trainer.group_id={prefix}trainer",
-                f"feed.epochs={p['groups'] // TASK_RECORDS}",  # the feed's total, also across its restarts
-                f"feed.limit={p['groups']}",
-                f"feed.rate={p['groups'] / feed_span:.4f}",
-                f"trainer.max_steps={p['groups'] // g}",
-                f"run_dir={json.dumps(str(run_dir))}",
-                f"kafka.bootstrap_servers={bootstrap}",
-            ]
-        ),
-    )
-    return validate(Config, tree)
+    own = {
+        **RunIdentity.of_prefix(f"chaos-{run_id}.").settings(),  # topics, groups, transactional ids
+        "feed.epochs": p["groups"] // TASK_RECORDS,  # the feed's total, also across its restarts
+        "feed.limit": p["groups"],
+        "feed.rate": round(p["groups"] / feed_span, 4),
+        "trainer.max_steps": p["groups"] // g,
+        "run_dir": str(run_dir),
+        "kafka.bootstrap_servers": bootstrap,
+    }
+    return validate(Config, merge(tree, settings_tree(own)))
 
 
 def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:

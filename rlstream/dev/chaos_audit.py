@@ -15,7 +15,7 @@ committed steps only) and the injected bad records:
 * trained twice: a trajectory id in ``used`` more than once;
 * staleness: a used sample whose step version minus the version of its oldest trained token
   exceeds k. That version is the ``version_min`` of the copy on rl.scored the trainer reads first
-  (the lowest offset of its partition); under ``trainer.staleness_rule = "token"``, for a sample
+  (the lowest offset of its partition); under ``rl.staleness_rule = "token"``, for a sample
   the step lists in ``token_masked`` (its oldest tokens masked), it is the version of the first
   trained token (``from``), computed from that record's own ``metadata["versions"]`` marks, not
   taken from the trainer's ``oldest`` (a claim that disagrees with the record is a violation too);

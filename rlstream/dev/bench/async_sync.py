@@ -20,8 +20,8 @@ samples/s and tokens/s trained, trainer idle fraction (no train step running), r
 (decode slots empty: 1 - mean in-flight samples / max_inflight), samples dropped as stale, speedup
 over k = 0, and achieved/ideal. It prints figures; it asserts nothing.
 
-The staleness rule: every run uses the resolved ``trainer.staleness_rule`` (``--set
-trainer.staleness_rule=token`` runs everything under the token rule), and the sizes' ``token_ks``
+The staleness rule: every run uses the resolved ``rl.staleness_rule`` (``--set
+rl.staleness_rule=token`` runs everything under the token rule), and the sizes' ``token_ks``
 add, for the sim engine's long-tail workload, runs under the token rule next to the sample rule's
 (rows marked ``rule = token``). Whole-run waste figures compare the two: samples and response
 tokens dropped as stale, tokens masked by the token rule, and the partial rollouts generated (a
@@ -35,6 +35,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 from rlstream.dev.bench.harness import (
     BenchContext,
@@ -69,13 +70,13 @@ SIZES = {
 }  # fmt: skip
 PROMPT_TOKENS = 8
 """Every prompt is 8 characters, i.e. 8 tokens of the character-level tiny model."""
-SMALL_MODEL = [
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.max_position_embeddings=256",
-]
+SMALL_MODEL = {
+    "model.hidden_size": 64,
+    "model.intermediate_size": 128,
+    "model.num_layers": 2,
+    "model.num_heads": 4,
+    "model.max_position_embeddings": 256,
+}
 
 
 def write_prompts(path: Path, count: int, budgets: list[int] | None = None) -> Path:
@@ -88,43 +89,43 @@ def write_prompts(path: Path, count: int, budgets: list[int] | None = None) -> P
     return path
 
 
-def common_sets(sz: dict, k: int, source: Path) -> list[str]:
+def common_sets(sz: dict, k: int, source: Path) -> dict[str, Any]:
     g = sz["groups"]
-    return [
-        f"rl.group_size={sz['n']}",
-        f"rl.groups_per_step={g}",
-        f"rl.max_staleness={k}",
-        "topics.prompts.partitions=8",
-        "topics.rollouts.partitions=4",
-        "topics.scored.partitions=2",
-        f"feed.source={json.dumps(str(source))}",
-        "feed.epochs=100000",
-        f"feed.limit={(sz['steps'] + 6) * g}",
+    return {
+        "rl.group_size": sz["n"],
+        "rl.groups_per_step": g,
+        "rl.max_staleness": k,
+        "topics.prompts.partitions": 8,
+        "topics.rollouts.partitions": 4,
+        "topics.scored.partitions": 2,
+        "feed.source": str(source),
+        "feed.epochs": 100000,
+        "feed.limit": (sz["steps"] + 6) * g,
         # paced as the examples run it, with the defaults' lead of one step and backlog of 8
         # (without them: 56 samples/s at k = 4 against 81 publishing every group up front)
-        'feed.dispatch="paced"',
-        f"rollout.max_inflight={sz['inflight']}",
-        f"rollout.max_new_tokens={sz['clip']}",
-        'rollout.reload_policy="interrupt"',
-        "rollout.stale_restarts=1",
-        "rollout.metrics_interval_s=1",
-        "rollout.poll_timeout_s=0.02",
-        'kafka.consumer={"fetch.wait.max.ms" = 50}',
-        'reward.executor="thread"',
-        "reward.pool_size=1",
-        "reward.max_batch_ms=20",
-        "reward.batch_idle_ms=5",
-        "reward.max_batch_size=128",
-        "reward.timeout_s=2",
-        "reward.metrics_interval_s=2",
-        f"trainer.max_steps={sz['steps']}",
-        "trainer.group_timeout_s=600",
-        "trainer.metrics_interval_s=1",
-        "trainer.poll_timeout_s=0.05",
-        "trainer.keep_weight_versions=3",
-        "trainer.keep_checkpoints=1",
-        *SMALL_MODEL,
-    ]
+        "feed.dispatch": "paced",
+        "rollout.max_inflight": sz["inflight"],
+        "rollout.max_new_tokens": sz["clip"],
+        "rollout.reload_policy": "interrupt",
+        "rollout.stale_restarts": 1,
+        "rollout.metrics_interval_s": 1,
+        "rollout.poll_timeout_s": 0.02,
+        "kafka.consumer": {"fetch.wait.max.ms": 50},
+        "reward.executor": "thread",
+        "reward.pool_size": 1,
+        "reward.max_batch_ms": 20,
+        "reward.batch_idle_ms": 5,
+        "reward.max_batch_size": 128,
+        "reward.timeout_s": 2,
+        "reward.metrics_interval_s": 2,
+        "trainer.max_steps": sz["steps"],
+        "trainer.group_timeout_s": 600,
+        "trainer.metrics_interval_s": 1,
+        "trainer.poll_timeout_s": 0.05,
+        "trainer.keep_weight_versions": 3,
+        "trainer.keep_checkpoints": 1,
+        **SMALL_MODEL,
+    }
 
 
 def sim_engine(sz: dict, workload: str):
@@ -136,7 +137,7 @@ def sim_engine(sz: dict, workload: str):
     )
 
 
-def sim_plan(sz: dict, workload: str, balance: float = 1.0) -> tuple[list[str], dict]:
+def sim_plan(sz: dict, workload: str, balance: float = 1.0) -> tuple[dict[str, Any], dict]:
     """The sim engines' settings and the ideal-overlap bound they imply."""
     from libs.engines.sim import expected_length
 
@@ -146,12 +147,11 @@ def sim_plan(sz: dict, workload: str, balance: float = 1.0) -> tuple[list[str], 
     gen = slots / (sz["latency"] * mean_len)
     token_cost = 1.0 / (gen * balance * (PROMPT_TOKENS + mean_len))
     train = 1.0 / (token_cost * (PROMPT_TOKENS + mean_len))
-    eng_toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in eng.model_dump().items())
-    sets = [
-        f"rollout.engine={{{eng_toml}}}",
-        f'trainer.engine={{type = "sim", token_cost_s = {token_cost!r}}}',
-        f"trainer.micro_batch_size={sz['groups'] * sz['n']}",
-    ]
+    sets = {
+        "rollout.engine": {k: v for k, v in eng.model_dump().items() if v is not None},
+        "trainer.engine": {"type": "sim", "token_cost_s": token_cost},
+        "trainer.micro_batch_size": sz["groups"] * sz["n"],
+    }
     plan = {
         "mean_response_tokens": round(mean_len, 2),
         "generation_capacity_samples_per_s": round(gen, 2),
@@ -299,7 +299,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None) -> dict:
-    """One pipeline run; ``rule`` sets ``trainer.staleness_rule`` (None: the resolved config's)."""
+    """One pipeline run; ``rule`` sets ``rl.staleness_rule`` (None: the resolved config's)."""
     sz = SIZES[ctx.size][engine]
     name = f"async-{engine}-{workload}-k{k}" + (f"-{rule}" if rule else "")
     run_dir = ctx.out / name
@@ -311,16 +311,16 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
         sets, plan = sim_plan(sz, workload)
     else:
         source = write_prompts(run_dir / "prompts.jsonl", count, hf_budgets(sz, count))
-        sets = [
-            'rollout.engine={type = "hf", device = "cpu", threads = 1, refill_every = 4}',
-            'trainer.engine={type = "torch", device = "cpu"}',
-            f"trainer.micro_batch_size={sz['groups'] * sz['n']}",
-            "trainer.lr=0.0003",
-        ]
-    rule_sets = [f"trainer.staleness_rule={rule}"] if rule else []
-    cfg, path = make_config(ctx, name, [*common_sets(sz, k, source), *sets, *rule_sets])
+        sets = {
+            "rollout.engine": {"type": "hf", "device": "cpu", "threads": 1, "refill_every": 4},
+            "trainer.engine": {"type": "torch", "device": "cpu"},
+            "trainer.micro_batch_size": sz["groups"] * sz["n"],
+            "trainer.lr": 0.0003,
+        }
+    rule_sets = {"rl.staleness_rule": rule} if rule else {}
+    cfg, path = make_config(ctx, name, {**common_sets(sz, k, source), **sets, **rule_sets})
     res = run_pipeline(ctx, cfg, path, sz["workers"], 1, timeout_s=900, profile=["trainer", "rollout-0", "reward-0"])
-    row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.trainer.staleness_rule}
+    row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.rl.staleness_rule}
     row.update(status=res.status, wall_s=res.wall_s)
     row["loadavg"] = res.loadavg
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))

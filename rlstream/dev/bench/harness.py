@@ -2,7 +2,7 @@
 supervised CLI subprocesses (as ``rlstream demo`` runs them), reading a run's topics back, optional
 py-spy profiles of the workers, and the result files (JSON, docs tables).
 
-A benchmark module builds ``--set`` overrides, calls ``run_pipeline`` and analyses what the run
+A benchmark module builds typed settings (dotted key -> value), calls ``run_pipeline`` and analyses what the run
 left in Kafka and in the trainer's steps log. Nothing here asserts a timing; it only measures.
 It is not a cluster launcher: every process runs on this machine.
 """
@@ -20,8 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.log import kv
 
@@ -92,29 +94,29 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith("RLSTREAM_") or k in ("RLSTREAM_HOME", "RLSTREAM_CACHE")}
 
 
-def make_config(ctx: BenchContext, name: str, sets: list[str]):
-    """Resolve the config of one pipeline run (fresh topics and run dir) and write it as TOML."""
+def make_config(ctx: BenchContext, name: str, settings: Mapping[str, Any]):
+    """Resolve the config of one pipeline run (fresh topics, consumer groups and run dir) and write
+    it as TOML: the user's file < env < ``--set`` < the run's identity < the benchmark's ``settings``
+    (dotted key -> value)."""
     from pipeline.config import dump_toml
+    from pipeline.topology import RunIdentity
     from rlstream.config import load_config
 
     run_dir = (ctx.out / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     prefix = re.sub(r"[^A-Za-z0-9._-]", "-", f"bench-{ctx.run_id}-{name}.")
+    own = {
+        "kafka.bootstrap_servers": ctx.bootstrap,
+        "run_dir": str(run_dir),
+        "log_level": "INFO",
+        **RunIdentity.of_prefix(prefix).settings(),  # topics, consumer groups, transactional ids
+        **settings,
+    }
     cfg = load_config(
         ctx.base_config,
-        [
-            *ctx.base_sets,
-            f"kafka.bootstrap_servers={ctx.bootstrap}",
-            f"topics.prefix={prefix}",
-            f"run_dir={json.dumps(str(run_dir))}",
-            "log_level=INFO",
-            f"rollout.group_id={prefix}rollout",
-            f"reward.group_id={prefix}reward",
-            f"reward.transactional_id_prefix={prefix}reward",
-            f"trainer.group_id={prefix}trainer",
-            *sets,
-        ],
+        ctx.base_sets,
         environ={k: v for k, v in os.environ.items() if k != "RLSTREAM_CONFIG"},
+        settings=own,
     )
     path = run_dir / "config.toml"
     path.write_text(dump_toml(cfg))
@@ -155,6 +157,7 @@ def run_pipeline(
     it, when the feed starts."""
     from pipeline.admin import ensure_topics
     from pipeline.models import materialize
+    from rlstream.launcher import role_config
     from rlstream.supervisor import ChildDied, Supervisor
 
     ensure_topics(cfg)
@@ -168,9 +171,11 @@ def run_pipeline(
         if trainer:
             sup.start("trainer", ["train", *base], may_exit=True)
         for i in range(reward_workers):
-            sup.start(f"reward-{i}", ["reward", *base, "--set", f"reward.worker_id=reward-{i}"])
+            own = role_config(cfg, run_dir, f"reward-{i}", {"reward.worker_id": f"reward-{i}"})
+            sup.start(f"reward-{i}", ["reward", "--config", str(own)])
         for i in range(rollout_workers):
-            sup.start(f"rollout-{i}", ["rollout", *base, "--set", f"rollout.worker_id=rollout-{i}"])
+            own = role_config(cfg, run_dir, f"rollout-{i}", {"rollout.worker_id": f"rollout-{i}"})
+            sup.start(f"rollout-{i}", ["rollout", "--config", str(own)])
         if profile and ctx.profile:
             spies = _start_profilers(sup, profile, run_dir)
         try:

@@ -58,21 +58,22 @@ def produce(cfg, kind: str, n: int) -> None:
             p.produce(cfg.topics.name("rollouts"), codec.encode("Trajectory", t), key=group.encode())
 
 
-def run_case(bootstrap: str, name: str, kind: str, n: int, sets: list[str], run_dir: str) -> dict:
+def run_case(bootstrap: str, name: str, kind: str, n: int, sets: dict, run_dir: str) -> dict:
     cfg = load_config(
         None,
-        [
-            f"kafka.bootstrap_servers={bootstrap}",
-            f"topics.prefix=bench{uuid.uuid4().hex[:8]}.",
-            f"run_dir={run_dir}",
-            "log_level=WARNING",
-            'reward.tasks={copy=[{name="exact_match"}], math=[{name="math"}], code=[{name="code"}]}',
-            "reward.max_batch_size=64",
-            "reward.timeout_s=5",
-            "reward.max_batch_ms=100",
-            *sets,
-        ],
+        [],
         environ={},
+        settings={
+            "kafka.bootstrap_servers": bootstrap,
+            "topics.prefix": f"bench{uuid.uuid4().hex[:8]}.",
+            "run_dir": run_dir,
+            "log_level": "WARNING",
+            "reward.tasks": {"copy": [{"name": "exact_match"}], "math": [{"name": "math"}], "code": [{"name": "code"}]},
+            "reward.max_batch_size": 64,
+            "reward.timeout_s": 5,
+            "reward.max_batch_ms": 100,
+            **sets,
+        },
     )
     ensure_topics(cfg, ["rollouts", "scored", "dlq", "metrics"])
     produce(cfg, kind, n)
@@ -105,10 +106,10 @@ def main() -> None:
     ap.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP"))
     args = ap.parse_args()
     cases = [
-        ("exact_match, thread x1", "copy", args.n, ["reward.executor=thread", "reward.pool_size=1"]),
-        ("exact_match, process x1", "copy", args.n, ["reward.executor=process", "reward.pool_size=1"]),
-        ("math-verify, process x1", "math", args.n_math, ["reward.executor=process", "reward.pool_size=1"]),
-        ("math-verify, process x2", "math", args.n_math, ["reward.executor=process", "reward.pool_size=2"]),
+        ("exact_match, thread x1", "copy", args.n, {"reward.executor": "thread", "reward.pool_size": 1}),
+        ("exact_match, process x1", "copy", args.n, {"reward.executor": "process", "reward.pool_size": 1}),
+        ("math-verify, process x1", "math", args.n_math, {"reward.executor": "process", "reward.pool_size": 1}),
+        ("math-verify, process x2", "math", args.n_math, {"reward.executor": "process", "reward.pool_size": 2}),
     ]
     if args.code:
         cases.append(("code sandbox (2 tests), process x2", "code", args.code, ["reward.pool_size=2"]))

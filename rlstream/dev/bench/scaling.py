@@ -43,8 +43,8 @@ SIZES = {
     "tiny": {"workers": [1, 2], "trajectories": 512, "response_tokens": 128, "groups": 40, "join": 2},
     "full": {"workers": [1, 2, 4, 8], "trajectories": 8000, "response_tokens": 256, "groups": 400, "join": 8},
 }
-SIM = ('rollout.engine={type = "sim", token_latency_s = 0.0005, median_tokens = 16, sigma = 0.3, '
-       'verify_weights = false}')  # fmt: skip
+SIM = {"rollout.engine": {"type": "sim", "token_latency_s": 0.0005, "median_tokens": 16, "sigma": 0.3,
+                          "verify_weights": False}}  # fmt: skip
 PROJECT_TO = (8, 16, 64, 128, 256)
 
 
@@ -79,11 +79,11 @@ def _row(stage: str, workers: int, res, records: int, span: float) -> dict:
 
 def reward_case(ctx: BenchContext, workers: int, sz: dict) -> dict:
     name = f"scaling-reward-w{workers}"
-    cfg, path = make_config(ctx, name, [
-        "topics.rollouts.partitions=16", "topics.scored.partitions=16", 'reward.executor="thread"',
-        "reward.pool_size=1", "reward.max_batch_size=128", "reward.max_batch_ms=50", "reward.timeout_s=2",
-        "reward.idle_poll_s=0.1",
-    ])  # fmt: skip
+    cfg, path = make_config(ctx, name, {
+        "topics.rollouts.partitions": 16, "topics.scored.partitions": 16, "reward.executor": "thread",
+        "reward.pool_size": 1, "reward.max_batch_size": 128, "reward.max_batch_ms": 50, "reward.timeout_s": 2,
+        "reward.idle_poll_s": 0.1,
+    })  # fmt: skip
     from pipeline.admin import Admin
     from pipeline.kafka import client_conf
 
@@ -126,11 +126,11 @@ def rollout_case(ctx: BenchContext, workers: int, sz: dict) -> dict:
     name = f"scaling-rollout-w{workers}"
     source = write_prompts(ctx.out / f"{name}-prompts.jsonl", 64)
     groups, n = sz["groups"], 4
-    cfg, path = make_config(ctx, name, [
-        "topics.prompts.partitions=16", "topics.rollouts.partitions=16", f"rl.group_size={n}",
-        "rl.max_staleness=1000", f"feed.source={str(source)!r}", "feed.epochs=100000", f"feed.limit={groups}",
-        "rollout.max_inflight=32", "rollout.max_new_tokens=64", "rollout.poll_timeout_s=0.02", SIM,
-    ])  # fmt: skip
+    cfg, path = make_config(ctx, name, {
+        "topics.prompts.partitions": 16, "topics.rollouts.partitions": 16, "rl.group_size": n,
+        "rl.max_staleness": 1000, "feed.source": str(source), "feed.epochs": 100000, "feed.limit": groups,
+        "rollout.max_inflight": 32, "rollout.max_new_tokens": 64, "rollout.poll_timeout_s": 0.02, **SIM,
+    })  # fmt: skip
     from pipeline.admin import Admin
     from pipeline.kafka import client_conf
 
@@ -156,18 +156,23 @@ def rollout_case(ctx: BenchContext, workers: int, sz: dict) -> dict:
 def join_case(ctx: BenchContext, join: int) -> dict:
     """A stable rollout group of ``join`` members; ``join`` more start at once; time to stable again."""
     from rlstream.dev.bench.harness import child_env
+    from rlstream.launcher import role_config
     from rlstream.supervisor import Supervisor
 
     name = f"scaling-join-{join}"
-    cfg, path = make_config(ctx, name, [f"topics.prompts.partitions={4 * join}", SIM])
+    cfg, _ = make_config(ctx, name, {"topics.prompts.partitions": 4 * join, **SIM})
     from pipeline.admin import ensure_topics
 
     ensure_topics(cfg)
-    base = ["--config", str(path)]
     out: dict = {"members_before": join, "joining": join}
+
+    def start(i: int) -> None:
+        own = role_config(cfg, Path(cfg.run_dir), f"rollout-{i}", {"rollout.worker_id": f"rollout-{i}"})
+        sup.start(f"rollout-{i}", ["rollout", "--config", str(own)])
+
     with Supervisor(Path(cfg.run_dir) / "logs", child_env()) as sup:
         for i in range(join):
-            sup.start(f"rollout-{i}", ["rollout", *base, "--set", f"rollout.worker_id=rollout-{i}"])
+            start(i)
         t0 = time.monotonic()
         while not group_stable(cfg, cfg.rollout.group_id, join) and time.monotonic() - t0 < 600:
             sup.check()
@@ -175,7 +180,7 @@ def join_case(ctx: BenchContext, join: int) -> dict:
         out["first_group_stable_s"] = rnd(time.monotonic() - t0, 1)
         t1 = time.monotonic()
         for i in range(join, 2 * join):
-            sup.start(f"rollout-{i}", ["rollout", *base, "--set", f"rollout.worker_id=rollout-{i}"])
+            start(i)
         while not group_stable(cfg, cfg.rollout.group_id, 2 * join) and time.monotonic() - t1 < 600:
             sup.check()
             time.sleep(0.2)

@@ -82,19 +82,20 @@ def run(bootstrap: str, steps: int, engine: str, prompt: int, response: int, run
 
     cfg = load_config(
         None,
-        [
-            f"kafka.bootstrap_servers={bootstrap}",
-            f"topics.prefix=bench{uuid.uuid4().hex[:8]}.",
-            f"run_dir={run_dir}",
-            "log_level=WARNING",
-            "model.type=tiny",  # the default tiny Llama: hidden 128, 2 layers
-            "rl.max_staleness=1000",
-            f"trainer.engine.type={engine}",
-            "trainer.micro_batch_size=32",
-            "trainer.poll_timeout_s=0.05",
-            "trainer.metrics_interval_s=60",
-        ],
+        [],
         environ={},
+        settings={
+            "kafka.bootstrap_servers": bootstrap,
+            "topics.prefix": f"bench{uuid.uuid4().hex[:8]}.",
+            "run_dir": run_dir,
+            "log_level": "WARNING",
+            "model.type": "tiny",  # the default tiny Llama: hidden 128, 2 layers
+            "rl.max_staleness": 1000,
+            "trainer.engine.type": engine,
+            "trainer.micro_batch_size": 32,
+            "trainer.poll_timeout_s": 0.05,
+            "trainer.metrics_interval_s": 60,
+        },
     )
     ensure_topics(cfg, ["scored", "control", "metrics", "dlq"])
     n, g = cfg.rl.group_size, cfg.rl.groups_per_step

@@ -18,8 +18,8 @@ It prints figures; it asserts nothing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 from rlstream.dev.bench import weights_scale
 from rlstream.dev.bench.async_sync import write_prompts
@@ -42,41 +42,41 @@ SIZES = {
 }
 
 
-def model_sets(hidden: int) -> list[str]:
-    return [
-        f"model.hidden_size={hidden}",
-        f"model.intermediate_size={2 * hidden}",
-        "model.num_layers=2",
-        f"model.num_heads={max(4, hidden // 128)}",
-        "model.max_position_embeddings=128",
-    ]
+def model_sets(hidden: int) -> dict[str, Any]:
+    return {
+        "model.hidden_size": hidden,
+        "model.intermediate_size": 2 * hidden,
+        "model.num_layers": 2,
+        "model.num_heads": max(4, hidden // 128),
+        "model.max_position_embeddings": 128,
+    }
 
 
-def base_sets(source: Path, groups: int, n: int, steps: int, k: int = 1) -> list[str]:
-    return [
-        f"rl.group_size={n}",
-        f"rl.groups_per_step={groups}",
-        f"rl.max_staleness={k}",
-        "topics.prompts.partitions=4",
-        "topics.rollouts.partitions=4",
-        "topics.scored.partitions=2",
-        f"feed.source={json.dumps(str(source))}",
-        "feed.epochs=100000",
-        f"feed.limit={(steps + 4) * groups}",
-        'rollout.reload_policy="interrupt"',
-        "rollout.metrics_interval_s=1",
-        "rollout.poll_timeout_s=0.02",
-        'reward.executor="thread"',
-        "reward.pool_size=1",
-        "reward.max_batch_ms=20",
-        "reward.timeout_s=2",
-        f"trainer.max_steps={steps}",
-        "trainer.metrics_interval_s=1",
-        "trainer.poll_timeout_s=0.05",
-        "trainer.keep_weight_versions=4",
-        "trainer.keep_checkpoints=1",
-        "trainer.group_timeout_s=600",
-    ]
+def base_sets(source: Path, groups: int, n: int, steps: int, k: int = 1) -> dict[str, Any]:
+    return {
+        "rl.group_size": n,
+        "rl.groups_per_step": groups,
+        "rl.max_staleness": k,
+        "topics.prompts.partitions": 4,
+        "topics.rollouts.partitions": 4,
+        "topics.scored.partitions": 2,
+        "feed.source": str(source),
+        "feed.epochs": 100000,
+        "feed.limit": (steps + 4) * groups,
+        "rollout.reload_policy": "interrupt",
+        "rollout.metrics_interval_s": 1,
+        "rollout.poll_timeout_s": 0.02,
+        "reward.executor": "thread",
+        "reward.pool_size": 1,
+        "reward.max_batch_ms": 20,
+        "reward.timeout_s": 2,
+        "trainer.max_steps": steps,
+        "trainer.metrics_interval_s": 1,
+        "trainer.poll_timeout_s": 0.05,
+        "trainer.keep_weight_versions": 4,
+        "trainer.keep_checkpoints": 1,
+        "trainer.group_timeout_s": 600,
+    }
 
 
 def latencies(cfg, workers: list[str]) -> dict:
@@ -127,15 +127,21 @@ def notice_case(ctx: BenchContext, workers: int, steps: int) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     source = write_prompts(run_dir / "prompts.jsonl", 64)
     groups, n = 4, 4
-    sets = [
-        *base_sets(source, groups, n, steps),
-        *model_sets(64),
-        "rollout.max_inflight=16",
-        "rollout.max_new_tokens=64",
-        'rollout.engine={type = "sim", token_latency_s = 0.005, median_tokens = 16, sigma = 0.5, clip_tokens = 64}',
-        'trainer.engine={type = "sim", token_cost_s = 0.0007}',
-        "trainer.micro_batch_size=16",
-    ]
+    sets = {
+        **base_sets(source, groups, n, steps),
+        **model_sets(64),
+        "rollout.max_inflight": 16,
+        "rollout.max_new_tokens": 64,
+        "rollout.engine": {
+            "type": "sim",
+            "token_latency_s": 0.005,
+            "median_tokens": 16,
+            "sigma": 0.5,
+            "clip_tokens": 64,
+        },
+        "trainer.engine": {"type": "sim", "token_cost_s": 0.0007},
+        "trainer.micro_batch_size": 16,
+    }
     cfg, path = make_config(ctx, name, sets)
     res = run_pipeline(ctx, cfg, path, workers, 1, timeout_s=600)
     row = {"workers": workers, "status": res.status, "loadavg": res.loadavg}
@@ -149,15 +155,15 @@ def size_case(ctx: BenchContext, hidden: int, steps: int) -> dict:
     run_dir = ctx.out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     source = write_prompts(run_dir / "prompts.jsonl", 16)
-    sets = [
-        *base_sets(source, 1, 2, steps),
-        *model_sets(hidden),
-        "rollout.max_inflight=4",
-        "rollout.max_new_tokens=4",
-        'rollout.engine={type = "hf", device = "cpu", threads = 1}',
-        'trainer.engine={type = "sim", token_cost_s = 0.0}',
-        "trainer.micro_batch_size=4",
-    ]
+    sets = {
+        **base_sets(source, 1, 2, steps),
+        **model_sets(hidden),
+        "rollout.max_inflight": 4,
+        "rollout.max_new_tokens": 4,
+        "rollout.engine": {"type": "hf", "device": "cpu", "threads": 1},
+        "trainer.engine": {"type": "sim", "token_cost_s": 0.0},
+        "trainer.micro_batch_size": 4,
+    }
     cfg, path = make_config(ctx, name, sets)
     workers = SIZES[ctx.size]["size_workers"]
     res = run_pipeline(ctx, cfg, path, workers, 1, timeout_s=600)
