@@ -128,3 +128,15 @@ class Registry:
     def build(self, name: str, config: Any, ctx: Any) -> Any:
         """``get(name)(config, ctx)``: the one constructor signature of every plug-in."""
         return self.get(name)(config, ctx)
+
+    def build_callable(self, name: str, config: Any, base: type, wrap: Callable[[Callable, Any], Any]) -> Any:
+        """For kinds whose plug-in is a ``base`` subclass or a plain function (losses, advantage
+        estimators): ``cls(config)``, or ``wrap(function, config)``; ConfigError for anything else."""
+        obj = self.get(name)
+        if isinstance(obj, type) and issubclass(obj, base):
+            return obj(config)
+        if callable(obj) and not isinstance(obj, type):
+            return wrap(obj, config)
+        raise ConfigError(
+            f"{self.kind} {name!r} is neither a subclass of {base.__module__}.{base.__name__} nor a function"
+        )

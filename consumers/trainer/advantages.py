@@ -20,7 +20,6 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from pipeline.errors import ConfigError
 from pipeline.plugins import Registry
 
 
@@ -99,14 +98,7 @@ for _name, _cls in {"grpo": GRPO, "dr_grpo": DrGRPO, "rloo": RLOO}.items():
 
 def build_advantage(cfg) -> Advantage:
     """The estimator ``cfg.estimator`` names (a built-in, or ``module:Name``), built with ``cfg``."""
-    obj = ADVANTAGES.get(cfg.estimator)
-    if isinstance(obj, type) and issubclass(obj, Advantage):
-        return obj(cfg)
-    if callable(obj) and not isinstance(obj, type):
-        return FunctionAdvantage(obj, cfg)
-    raise ConfigError(
-        f"advantage estimator {cfg.estimator!r} is neither a subclass of {Advantage.__module__}.Advantage nor a function"
-    )
+    return ADVANTAGES.build_callable(cfg.estimator, cfg, Advantage, FunctionAdvantage)
 
 
 def compute(rewards: Sequence[float], cfg) -> list[float]:

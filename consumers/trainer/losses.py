@@ -38,7 +38,6 @@ from typing import ClassVar
 
 import torch
 
-from pipeline.errors import ConfigError
 from pipeline.plugins import Registry
 
 
@@ -193,12 +192,7 @@ for _name, _cls in {
 
 def build_loss(cfg) -> Loss:
     """The policy loss ``cfg.type`` names (a built-in, or ``module:Name``), built with ``cfg``."""
-    obj = LOSSES.get(cfg.type)
-    if isinstance(obj, type) and issubclass(obj, Loss):
-        return obj(cfg)
-    if callable(obj) and not isinstance(obj, type):
-        return FunctionLoss(obj, cfg)
-    raise ConfigError(f"loss {cfg.type!r} is neither a subclass of {Loss.__module__}.Loss nor a function")
+    return LOSSES.build_callable(cfg.type, cfg, Loss, FunctionLoss)
 
 
 def token_loss(logp, mb, cfg, policy: Loss | None = None, entropy=None):

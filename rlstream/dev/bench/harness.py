@@ -94,6 +94,22 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith("RLSTREAM_") or k in ("RLSTREAM_HOME", "RLSTREAM_CACHE")}
 
 
+def scratch_config(bootstrap: str, run_dir: str, settings: Mapping[str, Any]):
+    """The config of a benchmark that drives one role in this process, on fresh topics (a random
+    prefix), over ``settings`` (dotted key -> value)."""
+    import uuid
+
+    from rlstream.config import load_config
+
+    base = {
+        "kafka.bootstrap_servers": bootstrap,
+        "topics.prefix": f"bench{uuid.uuid4().hex[:8]}.",
+        "run_dir": run_dir,
+        "log_level": "WARNING",
+    }
+    return load_config(None, [], environ={}, settings={**base, **settings})
+
+
 def make_config(ctx: BenchContext, name: str, settings: Mapping[str, Any]):
     """Resolve the config of one pipeline run (fresh topics, consumer groups and run dir) and write
     it as TOML: the user's file < env < ``--set`` < the run's identity < the benchmark's ``settings``

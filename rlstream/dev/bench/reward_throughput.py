@@ -18,14 +18,12 @@ import os
 import random
 import tempfile
 import threading
-import uuid
 
 from consumers.reward.worker import RewardWorker
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.kafka import Producer, client_conf, wait_for
-from rlstream.config import load_config
-from rlstream.dev.bench.harness import broker
+from rlstream.dev.bench.harness import broker, scratch_config
 from rlstream.dev.bench.transport import trajectories
 
 
@@ -59,15 +57,10 @@ def produce(cfg, kind: str, n: int) -> None:
 
 
 def run_case(bootstrap: str, name: str, kind: str, n: int, sets: dict, run_dir: str) -> dict:
-    cfg = load_config(
-        None,
-        [],
-        environ={},
-        settings={
-            "kafka.bootstrap_servers": bootstrap,
-            "topics.prefix": f"bench{uuid.uuid4().hex[:8]}.",
-            "run_dir": run_dir,
-            "log_level": "WARNING",
+    cfg = scratch_config(
+        bootstrap,
+        run_dir,
+        {
             "reward.tasks": {"copy": [{"name": "exact_match"}], "math": [{"name": "math"}], "code": [{"name": "code"}]},
             "reward.max_batch_size": 64,
             "reward.timeout_s": 5,

@@ -20,12 +20,11 @@ import random
 import statistics
 import tempfile
 import time
-import uuid
 
 from pipeline import codec
 from pipeline.admin import ensure_topics
 from pipeline.kafka import Producer, client_conf
-from rlstream.config import load_config
+from rlstream.dev.bench.harness import scratch_config
 
 
 def scored_record(gid: str, idx: int, size: int, rng: random.Random, prompt: int, response: int) -> dict:
@@ -80,15 +79,10 @@ def run(bootstrap: str, steps: int, engine: str, prompt: int, response: int, run
     from consumers.trainer import worker
     from consumers.trainer.state import read_steps_log
 
-    cfg = load_config(
-        None,
-        [],
-        environ={},
-        settings={
-            "kafka.bootstrap_servers": bootstrap,
-            "topics.prefix": f"bench{uuid.uuid4().hex[:8]}.",
-            "run_dir": run_dir,
-            "log_level": "WARNING",
+    cfg = scratch_config(
+        bootstrap,
+        run_dir,
+        {
             "model.type": "tiny",  # the default tiny Llama: hidden 128, 2 layers
             "rl.max_staleness": 1000,
             "trainer.engine.type": engine,
