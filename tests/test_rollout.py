@@ -170,7 +170,7 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
 
     wait_for(
         lambda: rows() and min(len(r.tokens) for r in rows()) >= 20,
-        timeout=240,
+        timeout=600,
         what=lambda: f"generation under way: {engine_state(w)}",
         worker=w,
     )
@@ -179,7 +179,7 @@ def test_interrupt_resumes_partial_rollouts_under_new_weights(make_config):
     finally:
         published.set()
     producer.close()
-    got = wait_for(lambda: (t := trajectories(cfg, n, 0)) and len(t) >= n and t, timeout=120, worker=w)
+    got = wait_for(lambda: (t := trajectories(cfg, n, 0)) and len(t) >= n and t, timeout=600, worker=w)
     w.join()
     assert w.worker.stats["loads"] == 1 and len(got) == n
     spanning = [t for t in got if t["version_min"] < t["version_max"]]
@@ -223,7 +223,7 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, fin
 
     wait_for(
         lambda: rows() and min(len(r.tokens) for r in rows()) >= begun,
-        timeout=240,
+        timeout=600,
         what=lambda: engine_state(w),
         worker=w,
     )
@@ -232,7 +232,7 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, fin
     finally:
         published.set()
     producer.close()
-    got = wait_for(lambda: (t := trajectories(cfg, n, 0)) and len(t) >= n and t, timeout=120, worker=w)
+    got = wait_for(lambda: (t := trajectories(cfg, n, 0)) and len(t) >= n and t, timeout=600, worker=w)
     w.join()
     assert w.worker.stats["loads"] == 1 and len(got) == n
     restarted = [t for t in got if t["version_min"] == 1]
