@@ -127,3 +127,32 @@ def test_a_stop_during_a_broker_outage_is_bounded_and_loses_nothing(tmp_path):
     missing = expected - set(ids)
     assert not missing, f"lost {len(missing)} sample(s) {sorted(missing)}; {report}"
     assert set(ids) == expected, f"unexpected trajectory ids {sorted(set(ids) - expected)}; {report}"
+
+
+def test_a_stop_leaves_samples_unfinished_in_its_budget_to_the_next_owner(make_config):
+    """The broker is up but the samples are slow: a stop finishes samples for part of its budget,
+    commits only fully acknowledged prompts, and leaves the rest uncommitted (with a warning)
+    instead of running into the watchdog; the next owner generates them."""
+    from producers import feed
+    from tests.test_rollout import WorkerThread, committed, trajectories, wait_for
+
+    common = (f"feed.source={DATA}", "feed.limit=4", "rl.group_size=2", "rl.max_staleness=1000",
+              "rollout.max_inflight=8", "rollout.max_new_tokens=200", "liveness.shutdown_timeout_s=6")  # fmt: skip
+    slow = make_config(*common, 'rollout.engine={type = "sim", token_latency_s = 1, sigma = 0, median_tokens = 150}')
+    feed.run(slow)
+    w = WorkerThread(slow)
+    wait_for(lambda: len(w.worker.running) == 8, 300, "every sample generating", worker=w)
+    t0 = time.monotonic()
+    w.join(timeout=120)
+    took = time.monotonic() - t0
+    assert took < 6 + 10, f"the stop took {took:.1f}s"
+    assert w.worker.stats["trajectories"] == 0 and w.worker.metrics.counters.get("stop_unfinished") == 8
+    assert all(off < 0 for off in committed(slow).values())  # nothing committed
+
+    fast = make_config(*common, 'rollout.engine={type = "sim", token_latency_s = 0.01, sigma = 0, median_tokens = 4}',
+                       create=False)  # fmt: skip
+    w = WorkerThread(fast)
+    wait_for(lambda: len(trajectories(fast, 0, 0)) >= 8, 300, "the next owner's trajectories", worker=w)
+    w.join()
+    ids = collections.Counter(t["trajectory_id"] for t in trajectories(fast, 8))
+    assert len(ids) == 8 and sum(ids.values()) == 8, ids
