@@ -14,7 +14,8 @@ acknowledged) and everything the worker does with it on the Kafka side:
   next owner generates those prompts again (at-least-once, deduplicated by trajectory id);
 * the rebalance callbacks (``subscribe``): on a revoke the worker finishes the admitted messages of
   the revoked partitions (its ``finish`` callback), then they are committed and forgotten; after a
-  failure nothing is finished (the next owner takes them); a lost partition is forgotten at once.
+  failure, or a stop that could not finish (``hand_over``), nothing is finished (the next owner
+  takes them); a lost partition is forgotten at once.
 
 What this is not: the worker's generation loop (``producers.rollout``), nor the pure arithmetic of
 acknowledgements (``producers.ledger``).
@@ -53,6 +54,7 @@ class PromptCommits:
         self._section = section
         self._last_commit = 0.0
         self._failures = 0
+        self._handed_over = False
 
     # -- the ledger ------------------------------------------------------------------------------
     def restart_if_rewound(self, tp: TP, offset: int) -> bool:
@@ -135,6 +137,12 @@ class PromptCommits:
             if self.to_commit.get(tp, off + 1) <= off:
                 del self.to_commit[tp]
 
+    def hand_over(self) -> None:
+        """A stop that could not finish (its trajectories unacknowledged, or its samples unfinished
+        in the stop budget) leaves every uncommitted prompt to the next owner: the final revoke
+        then finishes and commits nothing more."""
+        self._handed_over = True
+
     # -- rebalances ------------------------------------------------------------------------------
     def subscribe(
         self,
@@ -155,9 +163,10 @@ class PromptCommits:
 
     def _on_revoke(self, _consumer, partitions) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
-        if self._failed():  # the final revoke of a worker that failed: its engine may never finish a sample
-            log.warning("partitions revoked after a failure; their uncommitted prompts go to the next owner %s",
-                        kv(partitions=sorted(t[1] for t in tps)))  # fmt: skip
+        if self._failed() or self._handed_over:  # a failed worker's engine may never finish a sample
+            why = "a failure" if self._failed() else "a stop that could not finish"
+            log.warning("partitions revoked after %s; their uncommitted prompts go to the next owner %s",
+                        why, kv(partitions=sorted(t[1] for t in tps)))  # fmt: skip
         else:
             log.info(
                 "partitions revoked, finishing their admitted prompts %s", kv(partitions=sorted(t[1] for t in tps))

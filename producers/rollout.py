@@ -131,21 +131,29 @@ class RolloutWorker(Worker):
         return True
 
     def finish(self) -> None:
-        """Finish the admitted samples, flush and commit, within the stop budget. If the broker does
-        not acknowledge the trajectories in time (an outage), their prompts stay uncommitted and the
-        next owner generates them again, as after a kill -9 (the trainer refuses a repeated
-        trajectory_id): a stop never waits out an outage."""
-        flush_by = time.monotonic() + STOP_FLUSH_SHARE * self.liveness.shutdown_timeout_s
+        """Finish the admitted samples, flush and commit, within the stop budget
+        (``STOP_FLUSH_SHARE`` of ``liveness.shutdown_timeout_s``). What does not make it stays
+        uncommitted and the next owner generates it again, as after a kill -9 (the trainer refuses a
+        repeated trajectory_id): samples still unfinished when the budget ends, and every prompt if
+        the broker does not acknowledge the trajectories in time (an outage; the queued ones are
+        dropped, so the close does not wait for them either). A stop never waits out an outage."""
         try:
-            self._drain(lambda tp: True, flush_by=flush_by)
+            unfinished = self._drain(lambda tp: True, budget_s=STOP_FLUSH_SHARE * self.liveness.shutdown_timeout_s)
         except DeliveryError as exc:
             if exc.kafka_error is not None:  # a real delivery failure, not a broker that is away
                 raise
-            self.metrics.inc("stop_unflushed", self.producer.pending())
+            dropped = self.producer.discard()
+            self.metrics.inc("stop_unflushed", dropped)
+            self.commits.hand_over()
             log.warning("the broker did not acknowledge every trajectory before the stop; their prompts are "
-                        "left uncommitted for the next owner %s", kv(queued=self.producer.pending(), error=exc))  # fmt: skip
+                        "left uncommitted for the next owner %s", kv(dropped=dropped, error=exc))  # fmt: skip
             return
         self.commits.commit(force=True)
+        if unfinished:
+            self.metrics.inc("stop_unfinished", unfinished)
+            self.commits.hand_over()
+            log.warning("the stop budget ended before every admitted sample finished; their prompts are left "
+                        "uncommitted for the next owner %s", kv(samples=unfinished))  # fmt: skip
 
     def close(self) -> None:
         try:
@@ -447,22 +455,25 @@ class RolloutWorker(Worker):
         )
 
     # -- rebalances (``producers.commits`` calls it) ------------------------------------------------
-    def _drain(self, pred, flush_by: float | None = None) -> None:
+    def _drain(self, pred, budget_s: float | None = None) -> int:
         """Finish every admitted sample of partitions matching ``pred`` and wait for their acks (the
         commit is the caller's); their queued, unadmitted messages are left to the next owner. The
-        wait for acks rides out a broker outage (``liveness.outage_s``), or ends at ``flush_by``
-        (a monotonic time) with DeliveryError."""
+        wait for acks rides out a broker outage (``liveness.outage_s``). With ``budget_s`` (a stop)
+        samples are finished for two thirds of it, and the acks waited for until it ends, else
+        DeliveryError. Returns how many samples are left unfinished."""
         self.queue.drop(pred)
+        t0 = time.monotonic()
 
-        def pending():
+        def pending() -> int:
             running = [s for s, _ in self.running.values()]
-            return any(pred(s.tp) for s in [*self.ready, *running, *self.env_steps.values()])
+            return sum(1 for s in [*self.ready, *running, *self.env_steps.values()] if pred(s.tp))
 
-        while pending():
+        while pending() and (budget_s is None or time.monotonic() - t0 < budget_s * 2 / 3):
             self.beat()
             self._work_once(consume=False)
-        wait_s = self.liveness.outage_s if flush_by is None else max(0.5, flush_by - time.monotonic())
+        wait_s = self.liveness.outage_s if budget_s is None else max(0.5, t0 + budget_s - time.monotonic())
         self.producer.flush_patiently(wait_s, "trajectories")
+        return pending()
 
 
 def run(cfg, stop=None) -> dict:

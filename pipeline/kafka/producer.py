@@ -203,6 +203,24 @@ class Producer:
             finally:
                 self._client = None
 
+    def discard(self) -> int:
+        """Drop every message not acknowledged yet (queued or in flight) and release the client
+        without flushing: for a stop that leaves them to be produced again by whoever owns their
+        input next (its offsets stay uncommitted), e.g. while the broker is away. Their delivery
+        callbacks see the purge error, which is not raised. A message in flight may have been
+        written all the same (at-least-once). Returns how many were dropped."""
+        if self._client is None:
+            return 0
+        client, self._client = self._client, None
+        dropped = len(client)
+        try:
+            client.purge()
+            client.poll(0)  # serve the purged messages' delivery reports
+        except KafkaException as exc:
+            log.warning("purging the producer's queue failed %s", kv(error=exc, queued=dropped))
+        self._error = None
+        return dropped
+
     def abandon(self) -> None:
         """Release the client without flushing. Only for a producer whose open transaction is lost
         anyway (fenced, or failing): tracebacks may keep this wrapper alive, not the client."""
