@@ -69,6 +69,22 @@ def update_hf_dir(update: dict) -> str:
     return (update.get("metadata") or {}).get(HF_DIR_KEY) or ""
 
 
+# ---- a multi-turn environment's reward (Trajectory metadata) -----------------------------------
+ENV_REWARD_KEY = "env_reward"
+"""Trajectory metadata key of the sum of the rewards a multi-turn environment returned for its turns."""
+
+
+def format_env_reward(reward: float) -> str:
+    """The metadata value of an environment reward (exact: ``repr`` of the float)."""
+    return repr(float(reward))
+
+
+def env_reward_text(trajectory: dict) -> str | None:
+    """The environment reward a trajectory carries, as written (None: it carries none); ``float``
+    reads it back."""
+    return (trajectory.get("metadata") or {}).get(ENV_REWARD_KEY)
+
+
 # ---- per-token version marks (Trajectory / ScoredTrajectory metadata) --------------------------
 VERSIONS_KEY = "versions"
 """The metadata key of a sample's per-token version marks."""

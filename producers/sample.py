@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from libs.engines.base import GenOutput, GenRequest
 from pipeline import codec
 from pipeline.control import now_ms
-from pipeline.records import VERSIONS_KEY, format_version_marks
+from pipeline.records import ENV_REWARD_KEY, VERSIONS_KEY, format_env_reward, format_version_marks
 from producers.envs import Environment, StepResult
 
 
@@ -150,7 +150,7 @@ class Sample:
         if self.version_marks:
             meta[VERSIONS_KEY] = format_version_marks(self.version_marks)
         if self.env is not None:
-            meta["env_reward"] = repr(self.env_reward)
+            meta[ENV_REWARD_KEY] = format_env_reward(self.env_reward)
         return {
             "trajectory_id": self.tid,
             "group_id": p["group_id"],

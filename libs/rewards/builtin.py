@@ -14,6 +14,7 @@ import threading
 from functools import cache
 
 from libs.rewards.base import RewardError, RewardResult, parse_reference, reference_answer
+from pipeline.records import env_reward_text
 
 _WS = re.compile(r"\s+")
 FORMAT_PATTERNS = {
@@ -218,7 +219,7 @@ def env_reward(missing: float | None = None):
     dead-lettered, unless ``missing`` gives the value to use instead."""
 
     def score(trajectory: dict) -> RewardResult:
-        raw = (trajectory.get("metadata") or {}).get("env_reward")
+        raw = env_reward_text(trajectory)
         if raw is None:
             if missing is None:
                 raise RewardError("trajectory has no env_reward in its metadata (not from a multi-turn env?)")
