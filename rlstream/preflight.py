@@ -12,6 +12,7 @@ and the fix, instead of roles restarted in a loop over a mistake no restart can 
   with the job file's directory); a task of the datasets without a reward is refused when there is
   no default;
 * **environments**: every ``rollout.env.tasks`` class imports and is an ``Environment``;
+* **plug-ins**: every engine, loss or advantage estimator named by a ``module:Name`` path imports;
 * **model**: ``model.path`` resolves, its config.json and tokenizer load (the tiny model's
   tokenizer is built in code); a GGUF not imported yet is checked through its own tokenizer;
 * **chat template against the datasets**: prompts that ``rollout.chat_template`` renders with the
@@ -45,6 +46,7 @@ def check(cfg, data: dict[Path, str] | None = None) -> None:
     sets = datasets(cfg, data or {})
     rewards(cfg, {r["task"] for _, _, records in sets for r in records})
     environments(cfg)
+    plugins(cfg)
     tok = tokenizer(cfg)
     chat_template(cfg, tok, sets)
     log.info("checks before start passed in %.1f s", time.monotonic() - t0)
@@ -116,6 +118,26 @@ def environments(cfg) -> None:
             env_factory(spec, cfg.rollout.env.import_dirs)
         except ConfigError as exc:  # (load_object's message names where it looked)
             raise ConfigError(f"rollout.env.tasks.{task}: {exc}") from exc
+
+
+def plugins(cfg) -> None:
+    """Every plug-in named by its dotted path (``rollout.engine.type``, ``trainer.engine.type``,
+    ``trainer.loss.type``, ``trainer.advantage.estimator``) imports and has that attribute (its
+    module is imported here, as the role will import it; a built-in name needs no check)."""
+    from pipeline.plugins import is_dotted, load_object
+
+    named = {
+        "rollout.engine.type": cfg.rollout.engine.type,
+        "trainer.engine.type": cfg.trainer.engine.type,
+        "trainer.loss.type": cfg.trainer.loss.type,
+        "trainer.advantage.estimator": cfg.trainer.advantage.estimator,
+    }
+    for key, ref in named.items():
+        if is_dotted(ref):
+            try:
+                load_object(ref)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}: {exc}") from exc
 
 
 # ---- model and chat template ----------------------------------------------------------------

@@ -59,6 +59,10 @@ CASES = {
         '[rollout.env]\ntasks = { guess = "guess_numbr" }\n', PLAIN, None,
         ["rollout.env.tasks.guess: unknown environment 'guess_numbr'"],
     ),
+    "user loss that does not import": (
+        '[trainer.loss]\ntype = "no_such_pkg_xyz.losses:MyLoss"\n', PLAIN, None,
+        ["trainer.loss.type: 'no_such_pkg_xyz.losses:MyLoss': cannot import no_such_pkg_xyz.losses"],
+    ),
     "bad model path": (
         '[model]\ntype = "pretrained"\npath = "/nonexistent/model"\n', PLAIN, None,
         ["ConfigError: model.path /nonexistent/model: no such directory"],
