@@ -16,6 +16,11 @@ EXIT_CONFIG = 78
 restart cannot mend, so ``rlstream.supervisor`` stops the run instead of restarting the role."""
 
 
+class CheckpointDamaged(ConfigError):
+    """No trainer checkpoint the pointer names is intact (a file missing or not matching its
+    sha256). A restart cannot mend it, like a ConfigError: the message names the file."""
+
+
 class SerializationError(RlstreamError):
     """A value could not be encoded to Avro."""
 

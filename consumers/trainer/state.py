@@ -5,9 +5,16 @@
 * ``steps.jsonl``: one line per finished trainer step (trajectory ids used, stale and dropped
   ids, loss, ...), appended and fsynced *before* the pointer below names the step.
 * ``checkpoint.json``: the pointer, written atomically last. It names the tag and holds version,
-  step, the offset state of rl.scored, the trained group ids, the WeightUpdate of that version
-  and cumulative counters. Only what it names exists; steps-log lines beyond its step belong to
-  lost work and are cut on the next start.
+  step, the offset state of rl.scored, the trained group ids, the WeightUpdate of that version,
+  cumulative counters and ``files``: the sha256 of every file of the tag's directory. Under
+  ``previous`` it holds the same record (offsets included) of each older checkpoint still kept
+  (``trainer.keep_checkpoints``), oldest first. Only what it names exists; steps-log lines beyond
+  its step belong to lost work and are cut on the next start.
+
+Start-up (``choose``) takes the newest checkpoint whose files all match their digests; a damaged
+or missing one is skipped with one loud warning, and the next older one is used with its own
+offsets (so what it had not consumed is consumed again, and trained once). None valid:
+``CheckpointDamaged``, one line naming the file.
 
 Not the published weights: those go to ``cfg.store`` via ``pipeline.checkpoint.write_weights``.
 """
@@ -15,14 +22,19 @@ Not the published weights: those go to ``cfg.store`` via ``pipeline.checkpoint.w
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
 from pipeline.checkpoint import atomic_write_bytes
-from pipeline.errors import RlstreamError
+from pipeline.errors import CheckpointDamaged, RlstreamError
+from pipeline.log import kv
+
+log = logging.getLogger(__name__)
 
 POINTER = "checkpoint.json"
 STEPS_LOG = "steps.jsonl"
@@ -58,7 +70,75 @@ class TrainerCheckpoints:
         p = self.root / POINTER
         if not p.is_file():
             return None
-        return json.loads(p.read_text())
+        try:
+            ptr = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # written atomically: not by a crash
+            raise CheckpointDamaged(f"trainer checkpoint pointer {p} is not valid JSON ({exc})") from None
+        if not isinstance(ptr, dict) or "tag" not in ptr:
+            raise CheckpointDamaged(f"trainer checkpoint pointer {p} names no checkpoint (no tag)")
+        return ptr
+
+    @staticmethod
+    def history(ptr: dict | None) -> list[dict]:
+        """The checkpoint records a pointer holds, newest first (each without ``previous``)."""
+        if not ptr:
+            return []
+        newest = {k: v for k, v in ptr.items() if k != "previous"}
+        return [newest, *reversed(ptr.get("previous") or [])]
+
+    def digests(self, tag: str) -> dict[str, str]:
+        """sha256 of every file under the tag's directory, by path relative to it."""
+        d = self.tag_dir(tag)
+        out = {}
+        for f in sorted(x for x in d.rglob("*") if x.is_file()):
+            with open(f, "rb") as fh:
+                out[f.relative_to(d).as_posix()] = hashlib.file_digest(fh, "sha256").hexdigest()
+        return out
+
+    def problem(self, entry: dict) -> str | None:
+        """Why the checkpoint ``entry`` records cannot be used (naming the file), or None. A
+        record without ``files`` (written before digests) is only checked for its directory."""
+        d = self.tag_dir(entry["tag"])
+        if not d.is_dir():
+            return f"its directory {d} is missing"
+        for name, want in sorted((entry.get("files") or {}).items()):
+            f = d / name
+            if not f.is_file():
+                return f"{f} is missing"
+            with open(f, "rb") as fh:
+                if hashlib.file_digest(fh, "sha256").hexdigest() != want:
+                    return f"{f} does not match its sha256 {want[:12]}... ({f.stat().st_size} bytes)"
+        return None
+
+    def choose(self, ptr: dict | None, usable=None) -> tuple[dict | None, list[dict]]:
+        """The newest valid checkpoint record of ``ptr`` and the older ones kept (oldest first).
+        ``usable(entry)``: a further check (loading it); returns a problem string or None. A
+        fallback logs one warning; none valid raises ``CheckpointDamaged`` naming the newest's
+        problem."""
+        entries = self.history(ptr)
+        skipped: list[str] = []
+        for i, entry in enumerate(entries):
+            why = self.problem(entry) or (usable(entry) if usable else None)
+            if why is None:
+                if skipped:
+                    log.warning(
+                        "TRAINER CHECKPOINT DAMAGED: %s; falling back to checkpoint %s (step %d, version %d) "
+                        "and its consumed offsets: the steps after it are trained again %s",
+                        "; ".join(skipped),
+                        entry["tag"],
+                        entry["step"],
+                        entry["version"],
+                        kv(newest_step=entries[0]["step"], newest_version=entries[0]["version"]),
+                    )
+                return entry, list(reversed(entries[i + 1 :]))
+            skipped.append(f"checkpoint {entry['tag']} (step {entry['step']}): {why}")
+        if not entries:
+            return None, []
+        more = f" (and {len(skipped) - 1} older checkpoint(s) too)" if len(skipped) > 1 else ""
+        raise CheckpointDamaged(
+            f"no valid trainer checkpoint in {self.root}: {skipped[0]}{more}; restore the file, or start "
+            f"afresh with a new trainer.checkpoint_dir and topics"
+        )
 
     def write_pointer(self, state: dict) -> None:
         atomic_write_bytes(str(self.root / POINTER), json.dumps(state, sort_keys=True).encode())

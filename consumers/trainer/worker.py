@@ -104,11 +104,11 @@ class Trainer(Worker):
         self._base_sha = (
             model_fingerprint(model_dir) if self.engine.weights_kind == "adapter" and self.rank == 0 else ""
         )
-        ptr = self.ckpts.read_pointer()
-        self._tags = [ptr["tag"]] if ptr else []
+        ptr, older, self._newest_version = self._restore()
+        self._records = [*older, ptr] if ptr else []  # the kept checkpoints' records, oldest first
         if ptr:
-            self.engine.load(self.ckpts.tag_dir(ptr["tag"]))
             self.version, self.step = int(ptr["version"]), int(ptr["step"])
+        fell_back = self._newest_version > self.version  # the same on every rank (broadcast)
         # admission accounting (pipeline.control): groups consumed by committed steps, and the
         # published version's count plus the groups filtered since (what producers admit from)
         self.consumed = int(ptr.get("consumed_groups", self.version * self.G)) if ptr else 0
@@ -121,7 +121,30 @@ class Trainer(Worker):
             cut = self.ckpts.truncate_steps(self.step)
             if cut:
                 log.info("cut steps-log lines of lost work %s", kv(lines=cut, after_step=self.step))
-            self._setup_kafka(ptr)
+            self._setup_kafka(ptr)  # may move self.version on past announced versions after a fallback
+        if fell_back:  # rank 0 may have moved the version on past announced ones
+            self.version = broadcast_object(self.version if self.rank == 0 else None, self.world)
+
+    def _restore(self) -> tuple[dict | None, list[dict], int]:
+        """Load the newest valid checkpoint (``TrainerCheckpoints.choose``: digests checked on rank
+        0, the choice broadcast; a single process also falls back when loading fails). Returns its
+        record, the older records kept, and the newest record's version."""
+        ptr = self.ckpts.read_pointer() if self.rank == 0 else None
+        newest = int(ptr["version"]) if ptr else 0
+
+        def load(entry: dict) -> str | None:  # several ranks: loaded below, on every rank together
+            try:
+                if self.world == 1:
+                    self.engine.load(self.ckpts.tag_dir(entry["tag"]))
+            except Exception as exc:  # a damaged file of a checkpoint written before digests
+                return f"loading it failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+        chosen = self.ckpts.choose(ptr, load) if self.rank == 0 else None
+        chosen, newest = broadcast_object((chosen, newest) if self.rank == 0 else None, self.world)
+        entry, older = chosen or (None, [])
+        if entry is not None and self.world > 1:
+            self.engine.load(self.ckpts.tag_dir(entry["tag"]))
+        return entry, older, newest
 
     # ---- Kafka (rank 0) --------------------------------------------------------------------
     def _setup_kafka(self, ptr: dict | None) -> None:
@@ -175,6 +198,16 @@ class Trainer(Worker):
         finally:
             follower.close()
         published = latest["version"] if latest else 0
+        if self.version < published <= self._newest_version:
+            # fell back past announced versions: their weights stay announced; the next versions
+            # continue after them (never a version number again with other weights, none skipped)
+            log.warning(
+                "fallback checkpoint is older than the announced version; numbering continues %s",
+                kv(checkpoint_version=self.version, announced=published, next=published + 1),
+            )
+            self.version = published
+            self._published = (self.version, self.consumed)
+            self.metrics.version = self.version
         if published > self.version:
             raise RlstreamError(
                 f"{self.cfg.topics.name('control')} already announces version {published} but this trainer's checkpoint "
@@ -371,20 +404,21 @@ class Trainer(Worker):
         self.ckpts.append_steps(self._pending_log)
         self._pending_log = []
         snapshot = self.offsets.snapshot()
-        self.ckpts.write_pointer(
-            {
-                "version": self.version,
-                "step": self.step,
-                "tag": tag,
-                "topic": self.topic,
-                "offsets": snapshot,
-                "trained_groups": self.assembler.trained_ids(),
-                "update": update,
-                "consumed_groups": self.consumed,
-                "counters": dict(self.metrics.counters),
-                "written_at_ms": now_ms(),
-            }
-        )
+        record = {
+            "version": self.version,
+            "step": self.step,
+            "tag": tag,
+            "topic": self.topic,
+            "offsets": snapshot,
+            "trained_groups": self.assembler.trained_ids(),
+            "update": update,
+            "consumed_groups": self.consumed,
+            "counters": dict(self.metrics.counters),
+            "written_at_ms": now_ms(),
+            "files": self.ckpts.digests(tag),
+        }
+        self._records = [*self._records, record][-self.tc.keep_checkpoints :]
+        self.ckpts.write_pointer({**record, "previous": self._records[:-1]})
         t2 = time.monotonic()
         publish_weight_update(self.producer, self.cfg.topics.name("control"), update, self.liveness.outage_s)
         t3 = time.monotonic()
@@ -392,8 +426,7 @@ class Trainer(Worker):
         self._filtered_since_pub = len(self._filtered)
         self._progress_sent = self.consumed
         self._commit_offsets(snapshot)
-        self._tags = [*self._tags, tag][-self.tc.keep_checkpoints :]
-        self.ckpts.gc(self._tags)
+        self.ckpts.gc([r["tag"] for r in self._records])
         gc_versions(self.cfg.store, self.tc.keep_weight_versions)
         self.metrics.set("trainer_ckpt_ms", (t2 - t1) * 1e3)
         self.metrics.set("publish_ms", (t3 - t2) * 1e3)
