@@ -30,6 +30,7 @@ import shutil
 import time
 from pathlib import Path
 
+from consumers.trainer.engines.base import broadcast_object
 from pipeline.checkpoint import atomic_write_bytes
 from pipeline.errors import CheckpointDamaged, RlstreamError
 from pipeline.log import kv
@@ -207,3 +208,26 @@ def read_steps_log(root: Path) -> list[dict]:
         if entry["step"] <= ptr["step"]:
             out.append(entry)
     return out
+
+
+def restore(ckpts: TrainerCheckpoints, engine, rank: int, world: int) -> tuple[dict | None, list[dict], int]:
+    """Load the newest valid checkpoint into ``engine`` (``TrainerCheckpoints.choose``: digests
+    checked on rank 0, the choice broadcast; a single process also falls back when loading fails).
+    Returns its record, the older records kept, and the newest record's version."""
+    ptr = ckpts.read_pointer() if rank == 0 else None
+    newest = int(ptr["version"]) if ptr else 0
+
+    def load(entry: dict) -> str | None:  # several ranks: loaded below, on every rank together
+        try:
+            if world == 1:
+                engine.load(ckpts.tag_dir(entry["tag"]))
+        except Exception as exc:  # a damaged file of a checkpoint written before digests
+            return f"loading it failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        return None
+
+    chosen = ckpts.choose(ptr, load) if rank == 0 else None
+    chosen, newest = broadcast_object((chosen, newest) if rank == 0 else None, world)
+    entry, older = chosen or (None, [])
+    if entry is not None and world > 1:
+        engine.load(ckpts.tag_dir(entry["tag"]))
+    return entry, older, newest

@@ -38,7 +38,7 @@ from consumers.trainer.engines.base import barrier, broadcast_object, close_dist
 from consumers.trainer.losses import LossFn
 from consumers.trainer.publish import write_version
 from consumers.trainer.selection import ArrivalSelector, ScheduleSelector, SequenceSelector
-from consumers.trainer.state import TrainerCheckpoints
+from consumers.trainer.state import TrainerCheckpoints, restore
 from consumers.trainer.step import train_samples
 from pipeline.checkpoint import gc_versions, model_fingerprint, read_bytes_verified, write_weights
 from pipeline.control import ControlFollower, now_ms, publish_progress, publish_weight_update
@@ -104,7 +104,7 @@ class Trainer(Worker):
         self._base_sha = (
             model_fingerprint(model_dir) if self.engine.weights_kind == "adapter" and self.rank == 0 else ""
         )
-        ptr, older, self._newest_version = self._restore()
+        ptr, older, self._newest_version = restore(self.ckpts, self.engine, self.rank, self.world)
         self._records = [*older, ptr] if ptr else []  # the kept checkpoints' records, oldest first
         if ptr:
             self.version, self.step = int(ptr["version"]), int(ptr["step"])
@@ -124,27 +124,6 @@ class Trainer(Worker):
             self._setup_kafka(ptr)  # may move self.version on past announced versions after a fallback
         if fell_back:  # rank 0 may have moved the version on past announced ones
             self.version = broadcast_object(self.version if self.rank == 0 else None, self.world)
-
-    def _restore(self) -> tuple[dict | None, list[dict], int]:
-        """Load the newest valid checkpoint (``TrainerCheckpoints.choose``: digests checked on rank
-        0, the choice broadcast; a single process also falls back when loading fails). Returns its
-        record, the older records kept, and the newest record's version."""
-        ptr = self.ckpts.read_pointer() if self.rank == 0 else None
-        newest = int(ptr["version"]) if ptr else 0
-
-        def load(entry: dict) -> str | None:  # several ranks: loaded below, on every rank together
-            try:
-                if self.world == 1:
-                    self.engine.load(self.ckpts.tag_dir(entry["tag"]))
-            except Exception as exc:  # a damaged file of a checkpoint written before digests
-                return f"loading it failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-
-        chosen = self.ckpts.choose(ptr, load) if self.rank == 0 else None
-        chosen, newest = broadcast_object((chosen, newest) if self.rank == 0 else None, self.world)
-        entry, older = chosen or (None, [])
-        if entry is not None and self.world > 1:
-            self.engine.load(self.ckpts.tag_dir(entry["tag"]))
-        return entry, older, newest
 
     # ---- Kafka (rank 0) --------------------------------------------------------------------
     def _setup_kafka(self, ptr: dict | None) -> None:
