@@ -218,7 +218,7 @@ def test_a_failing_first_weight_load_is_dead_lettered_and_the_worker_keeps_going
     """Issue 10 F, as issue 24 point 7 changed it: a checkpoint that does not match its sha256 no
     longer stops the worker (one bogus notice bricked a job): it is tried a bounded number of times,
     dead-lettered on rl.dlq with its reason, and the worker keeps running on the weights it has;
-    SIGTERM still stops it cleanly and promptly."""
+    SIGTERM still stops it promptly, through its clean shutdown."""
     from pipeline.checkpoint import write_weights
     from pipeline.control import publish_weight_update
     from pipeline.kafka import Producer, client_conf
@@ -249,7 +249,8 @@ def test_a_failing_first_weight_load_is_dead_lettered_and_the_worker_keeps_going
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and time.monotonic() - t0 < 60, out[-3000:]
+        assert "rollout worker stopped" in out and time.monotonic() - t0 < 60, out[-3000:]
+        assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM), out[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
