@@ -52,9 +52,6 @@ PROGRESS_COMMAND = "groups_consumed"
 ``version``, ``consumed_groups``, ``trainer_id``; values are strings, as Command args are)."""
 _KEEP_VERSIONS = 1024  # consumed counts remembered by a follower (admission needs the loaded one)
 _KEEP_NOTICES = 64  # accepted notices remembered by a follower (a rejected one falls back to these)
-MAX_VERSION_JUMP = 1
-"""A notice's version may be at most this far past the newest accepted one: the trainer publishes
-every version in order on a one-partition topic, so a jump means a notice it did not write."""
 
 
 def is_stale(current_version: int, version_min: int, k: int) -> bool:
@@ -117,8 +114,9 @@ class ControlFollower:
     newest consumed-group count known for version ``v`` (admission). Undecodable records are
     logged and skipped (the control topic is written only by rlstream).
 
-    A notice is checked before it is accepted (``notice_problem``): its version must be the next
-    one after the newest accepted (``MAX_VERSION_JUMP``), or a re-publication of it; ``writer``
+    A notice is checked before it is accepted (``notice_problem``): its version must follow the
+    newest accepted by at most ``trainer.publish_every`` (the trainer publishes its versions in
+    order on a one-partition topic, every ``publish_every`` steps), or re-publish one; ``writer``
     (a trainer following its own notices) accepts only notices that carry that ``trainer_id``.
     A bad notice is dead-lettered on rl.dlq with its reason (``reject``) and skipped: it moves
     neither ``latest_update`` nor admission. A caller that fetches the checkpoint (the rollout
@@ -126,6 +124,8 @@ class ControlFollower:
 
     def __init__(self, cfg, role: str, worker_id: str | None = None, writer: str | None = None):
         self.cfg, self.role, self.worker_id, self.writer = cfg, role, worker_id or role, writer
+        self.max_jump = cfg.trainer.publish_every
+        """How far past the newest version a notice may be (the trainer's publishing interval)."""
         self.topic = cfg.topics.name("control")
         self.consumer = Consumer(client_conf(cfg, f"{role}-control", worker_id, kind="consumer"))
         self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
@@ -183,10 +183,10 @@ class ControlFollower:
             return None
         if any(_same(rec, u) for u, _ in self.accepted):
             return "republished"
-        if v > self.newest + MAX_VERSION_JUMP:
+        if v > self.newest + self.max_jump:
             return (
                 "implausible_version",
-                f"notice v{v} is ahead of the newest version v{self.newest} by more than {MAX_VERSION_JUMP}",
+                f"notice v{v} is ahead of the newest version v{self.newest} by more than trainer.publish_every={self.max_jump}",
             )
         if v <= 0:
             return "version_behind", f"notice v{v}: version 0 is the initial model, never announced"
