@@ -41,6 +41,7 @@ from pipeline import codec
 from pipeline.errors import DecodeError
 from pipeline.kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition, client_conf
 from pipeline.log import kv
+from pipeline.records import dead_letter
 
 log = logging.getLogger(__name__)
 WEIGHTS_KEY = b"weights"
@@ -50,6 +51,7 @@ PROGRESS_COMMAND = "groups_consumed"
 """Command name of the trainer's consumed-group count while it waits at one version (args:
 ``version``, ``consumed_groups``, ``trainer_id``; values are strings, as Command args are)."""
 _KEEP_VERSIONS = 1024  # consumed counts remembered by a follower (admission needs the loaded one)
+_KEEP_NOTICES = 64  # accepted notices remembered by a follower (a rejected one falls back to these)
 
 
 def is_stale(current_version: int, version_min: int, k: int) -> bool:
@@ -108,20 +110,39 @@ def publish_command(producer: Producer, topic: str, name: str, args: dict | None
 
 class ControlFollower:
     """Follows the control topic. ``poll`` returns new ``(name, record)`` pairs in order;
-    ``latest_update`` is the newest WeightUpdate seen (by version); ``consumed_groups(v)`` the
+    ``latest_update`` is the newest WeightUpdate accepted (by version); ``consumed_groups(v)`` the
     newest consumed-group count known for version ``v`` (admission). Undecodable records are
-    logged and skipped (the control topic is written only by rlstream)."""
+    logged and skipped (the control topic is written only by rlstream).
 
-    def __init__(self, cfg, role: str, worker_id: str | None = None):
+    A notice is checked before it is accepted (``notice_problem``): its version must follow the
+    newest accepted by at most ``trainer.publish_every`` (the trainer publishes its versions in
+    order on a one-partition topic, every ``publish_every`` steps), or re-publish one; ``writer``
+    (a trainer following its own notices) accepts only notices that carry that ``trainer_id``.
+    A bad notice is dead-lettered on rl.dlq with its reason (``reject``) and skipped: it moves
+    neither ``latest_update`` nor admission. A caller that fetches the checkpoint (the rollout
+    worker) ``reject``s a notice whose checkpoint it could not fetch or verify the same way."""
+
+    def __init__(self, cfg, role: str, worker_id: str | None = None, writer: str | None = None):
+        self.cfg, self.role, self.worker_id, self.writer = cfg, role, worker_id or role, writer
+        self.max_jump = cfg.trainer.publish_every
+        """How far past the newest version a notice may be (the trainer's publishing interval)."""
         self.topic = cfg.topics.name("control")
         self.consumer = Consumer(client_conf(cfg, f"{role}-control", worker_id, kind="consumer"))
         self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
         self.latest_update: dict | None = None
+        self.accepted: list[tuple[dict, object]] = []
+        """Accepted notices not rejected since, in arrival order, with their messages (newest few)."""
+        self.newest = 0
+        """Newest plausible version seen: the next notice must follow it (a rejected fetch keeps it)."""
+        self.trust_first = False
+        """The topic's start was deleted by retention: the first notice seen sets ``newest``."""
         self.commands: list[dict] = []
         self.consumed: dict[int, int] = {}
-        """version -> the largest consumed-group count seen for it."""
+        """version -> the largest consumed-group count its trainer's progress records stated."""
         self.progress_seen = 0
         """Counts changes of ``consumed`` (a caller re-checks admission when it moves)."""
+        self.dead_lettered = 0
+        self._producer = None
 
     def poll(self, timeout: float = 0.0, max_records: int = 100) -> list[tuple[str, dict]]:
         out = []
@@ -132,9 +153,13 @@ class ControlFollower:
                 log.error("skipping undecodable control record %s", kv(offset=msg.offset(), error=exc))
                 continue
             if name == "WeightUpdate":
-                if self.latest_update is None or rec["version"] > self.latest_update["version"]:
-                    self.latest_update = rec
-                self._note_consumed(rec["version"], rec.get("consumed_groups", -1))
+                problem = self.notice_problem(rec)
+                if problem == "republished":
+                    continue
+                if problem is not None:
+                    self._dead_letter(msg, rec, *problem)
+                    continue
+                self._accept(rec, msg)
             elif name == "Command":
                 self.commands.append(rec)
                 if rec["name"] == PROGRESS_COMMAND:
@@ -145,6 +170,68 @@ class ControlFollower:
             out.append((name, rec))
         return out
 
+    def notice_problem(self, rec: dict):
+        """None if the notice may be accepted; ``"republished"`` for a copy of an accepted one (a
+        trainer re-publishing after a restart: skipped quietly); else ``(error_type, reason)``."""
+        v, who = rec["version"], rec.get("trainer_id", "")
+        if self.writer is not None and who != self.writer:
+            return "foreign_writer", f"notice v{v} written by {who!r}, not by this trainer ({self.writer!r})"
+        if not rec["uri"]:
+            return "missing_uri", f"notice v{v} names no checkpoint"
+        first = not self.accepted and self.newest == 0
+        if first and self.trust_first and v > 0:
+            return None
+        if any(_same(rec, u) for u, _ in self.accepted):
+            return "republished"
+        if v > self.newest + self.max_jump:
+            return (
+                "implausible_version",
+                f"notice v{v} is ahead of the newest version v{self.newest} by more than trainer.publish_every={self.max_jump}",
+            )
+        if v <= 0:
+            return "version_behind", f"notice v{v}: version 0 is the initial model, never announced"
+        if v < self.newest:
+            return "version_behind", f"notice v{v} is behind the newest version v{self.newest}"
+        return None
+
+    def _accept(self, rec: dict, msg) -> None:
+        self.newest = max(self.newest, rec["version"])
+        self.accepted.append((rec, msg))
+        del self.accepted[:-_KEEP_NOTICES]
+        self._settle()
+
+    def _settle(self) -> None:
+        """``latest_update``: the newest version accepted and not rejected (the last to arrive of it)."""
+        best = None
+        for u, _ in self.accepted:
+            if best is None or u["version"] >= best["version"]:
+                best = u
+        self.latest_update = best
+        self.progress_seen += 1
+
+    def reject(self, rec: dict, error_type: str, reason: str) -> None:
+        """Dead-letter accepted notice ``rec`` (its checkpoint could not be fetched or verified) and
+        forget it: ``latest_update`` falls back to the newest other notice."""
+        msg = next((m for u, m in self.accepted if u is rec), None)
+        self.accepted = [(u, m) for u, m in self.accepted if u is not rec]
+        self._settle()
+        self._dead_letter(msg, rec, error_type, reason)
+
+    def _dead_letter(self, msg, rec: dict, error_type: str, reason: str) -> None:
+        self.dead_lettered += 1
+        log.error("dead-lettered weight notice %s", kv(version=rec["version"], error=error_type, reason=reason))
+        if msg is None:
+            return
+        try:
+            if self._producer is None:
+                conf = client_conf(self.cfg, f"{self.role}-control", self.worker_id, kind="producer")
+                self._producer = Producer(conf)
+            dl = dead_letter(msg, error_type, reason, self.role, self.worker_id)
+            self._producer.produce_record(self.cfg.topics.name("dlq"), "DeadLetter", dl, key=msg.key())
+            self._producer.flush(10)
+        except Exception as exc:  # the skip is what matters; the dead letter is the record of it
+            log.error("could not dead-letter weight notice %s", kv(version=rec["version"], error=exc))
+
     def _note_consumed(self, version: int, consumed: int) -> None:
         if consumed < 0 or consumed <= self.consumed.get(version, -1):
             return
@@ -154,8 +241,11 @@ class ControlFollower:
             del self.consumed[min(self.consumed)]
 
     def consumed_groups(self, version: int) -> int | None:
-        """The trainer's consumed-group count ``C(version)`` (None: never published, use ``version * G``)."""
-        return self.consumed.get(version)
+        """The trainer's consumed-group count ``C(version)`` (None: never published, use ``version * G``):
+        the largest of its accepted notices' and progress records' counts."""
+        counts = [u.get("consumed_groups", -1) for u, _ in self.accepted if u["version"] == version]
+        best = max([self.consumed.get(version, -1), *counts])
+        return best if best >= 0 else None
 
     def admission_limit(self, version: int, k: int, groups_per_step: int) -> int:
         """``admission_limit`` at ``version`` with the newest consumed count known for it."""
@@ -166,6 +256,7 @@ class ControlFollower:
         deadline = time.monotonic() + timeout
         # a just-created topic may have no leader yet: transient, so retried
         lo, hi = self.consumer.watermarks(self.topic, 0, timeout)
+        self.trust_first = self.trust_first or lo > 0
         while time.monotonic() < deadline:
             pos = self.consumer.position([(self.topic, 0)])[(self.topic, 0)]
             if hi <= lo or pos >= hi:
@@ -184,4 +275,12 @@ class ControlFollower:
         return self.latest_update if self.latest_update and self.latest_update["version"] >= version else None
 
     def close(self) -> None:
-        self.consumer.close()
+        try:
+            self.consumer.close()
+        finally:
+            if self._producer is not None:
+                self._producer.close()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["version"] == b["version"] and a["uri"] == b["uri"] and a["sha256"] == b["sha256"]

@@ -9,12 +9,15 @@ Prompts, the reward worker Trajectories, the trainer ScoredTrajectories (again, 
 write to rl.scored) plus what only it knows (token ids below the model's vocabulary, lengths
 within its context).
 
+``dead_letter``: the DeadLetter record of a refused message (for rl.dlq), whichever role refuses it.
+
 What this is not: decoding (``pipeline.codec``) or a policy on what to do with a bad record.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -219,3 +222,20 @@ def lag_counts(metrics: dict) -> dict[str, int]:
 def step_samples(metrics: dict) -> int:
     """Samples a trainer step event's step trained: the sum of its ``version_lag_<d>`` counts."""
     return sum(lag_counts(metrics).values())
+
+
+def dead_letter(msg, error_type: str, reason: str, role: str, worker_id: str) -> dict:
+    """The DeadLetter record of consumed message ``msg``: its bytes, where it came from, and why."""
+    return {
+        "source_topic": msg.topic(),
+        "source_partition": msg.partition(),
+        "source_offset": msg.offset(),
+        "key": msg.key(),
+        "value": msg.value(),
+        "headers": {k: (v or b"") for k, v in (msg.headers() or [])},
+        "error_type": error_type,
+        "reason": reason,
+        "role": role,
+        "worker_id": worker_id,
+        "failed_at_ms": int(time.time() * 1000),
+    }

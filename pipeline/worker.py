@@ -37,9 +37,9 @@ import time
 from typing import Any
 
 from pipeline.config import write_resolved
-from pipeline.control import now_ms
 from pipeline.kafka import retry_transient, wedged_clients
 from pipeline.log import kv
+from pipeline.records import dead_letter
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 75
@@ -84,23 +84,6 @@ def exit_without_teardown(code: int, why: str) -> None:
         stream.flush()
     logging.shutdown()
     os._exit(code)
-
-
-def dead_letter(msg, error_type: str, reason: str, role: str, worker_id: str) -> dict:
-    """The DeadLetter record of consumed message ``msg``: its bytes, where it came from, and why."""
-    return {
-        "source_topic": msg.topic(),
-        "source_partition": msg.partition(),
-        "source_offset": msg.offset(),
-        "key": msg.key(),
-        "value": msg.value(),
-        "headers": {k: (v or b"") for k, v in (msg.headers() or [])},
-        "error_type": error_type,
-        "reason": reason,
-        "role": role,
-        "worker_id": worker_id,
-        "failed_at_ms": now_ms(),
-    }
 
 
 class Watchdog:

@@ -7,12 +7,18 @@ The background part is the engine's ``prepare_weights``: for a sharded checkpoin
 notice's sha256 covers, and stages each as soon as it is verified (``pipeline.checkpoint``). The
 generation pause is ``load`` alone (``swap ms``), which an engine keeps to a swap where it can.
 
+A notice whose checkpoint cannot be fetched or verified (missing, unreadable, sha256 mismatch) is
+tried ``FETCH_TRIES`` times, ``RETRY_S`` (times the try) apart, even if a newer notice came
+meanwhile (a checkpoint may still be landing; the bound is a few seconds), then
+dead-lettered with its reason (``ControlFollower.reject``) and skipped: the worker keeps
+generating on the weights it has and loads the next good notice. Notices that are not plausible
+(a version that does not follow the newest, no uri) never get here (``pipeline.control``).
+
 A notice whose format the engine does not declare in ``weight_formats``, or whose kind (``full``
 weights or a LoRA ``adapter``) it does not declare in ``weight_kinds``, is refused loudly
-(``WeightFormatError``, the worker exits non-zero): a worker never generates under weights it did
-not load. A checkpoint that does not match its sha256 stops the worker the same way
-(``ChecksumError``), and so does an adapter trained on another base model (``BaseModelMismatch``,
-raised by the engine's ``prepare_weights``).
+(``WeightFormatError``, the worker exits non-zero): the run's engine and trainer disagree, and
+every later notice would be refused too. So does an adapter trained on another base model
+(``BaseModelMismatch``, raised by the engine's ``prepare_weights``).
 
 Admission (``may_admit``): the worker's loaded version and the trainer's consumed-group count
 known for it (``pipeline.control``); ``admission_moves`` tells the worker when that count grew
@@ -28,12 +34,16 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from libs.engines.adapters import BaseModelMismatch
 from pipeline.control import ControlFollower, may_admit
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
 from pipeline.records import update_format, update_kind
 
 log = logging.getLogger(__name__)
+FETCH_TRIES = 3
+RETRY_S = 2.0
+"""Seconds between tries of one notice's fetch (times the try number)."""
 
 
 class WeightFormatError(RlstreamError):
@@ -47,15 +57,17 @@ class WeightSync:
         self.control = ControlFollower(cfg, "rollout", worker_id)
         self._progress_seen = 0
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="weights")
-        self._fetch: tuple[dict, Future, float] | None = None  # update being fetched and verified
+        self._fetch: tuple[dict, Future, float, int] | None = None  # update being fetched and verified
         self.loadable: tuple[dict, object, float] | None = None  # verified, waiting for a safe point
+        self._retry: tuple[dict, float, int] | None = None  # notice whose fetch failed: when to retry, tries
         self.fetch_ms: float | None = None
         """Fetch + verify time of the last checkpoint that became loadable."""
+        self.fetch_failures = 0
 
     @property
     def pending(self) -> bool:
-        """A newer version is being fetched or waits to be loaded."""
-        return self._fetch is not None or self.loadable is not None
+        """A newer version is being fetched, waits for a retry, or waits to be loaded."""
+        return self._fetch is not None or self._retry is not None or self.loadable is not None
 
     def catch_up(self, timeout: float) -> dict | None:
         """Read rl.control to its end; start fetching its newest notice if it is newer."""
@@ -67,17 +79,39 @@ class WeightSync:
         """Follow rl.control; start a fetch for a newer notice; promote a finished fetch."""
         self.control.poll(0)
         self.control.commands.clear()  # feed states and operator commands: not the worker's business
-        upd = self.control.latest_update
+        upd, tries = self.control.latest_update, 0
+        if self._retry is not None:  # a failed notice is retried to its bound even if a newer one came
+            if time.monotonic() < self._retry[1]:
+                upd = None
+            else:
+                (upd, _, tries), self._retry = self._retry, None
         if upd is not None and upd["version"] > self.engine.version and not self.pending:
             check_loadable(upd, self.engine)
             log.info("fetching weights %s", kv(version=upd["version"], uri=upd["uri"], format=update_format(upd)))
-            self._fetch = (upd, self._loader.submit(self.engine.prepare_weights, upd), time.monotonic())
+            self._fetch = (upd, self._loader.submit(self.engine.prepare_weights, upd), time.monotonic(), tries)
         if self._fetch is not None and self._fetch[1].done():
-            upd, fut, t0 = self._fetch
+            upd, fut, t0, tries = self._fetch
             self._fetch = None
-            prepared = fut.result()  # a bad checksum or unreadable checkpoint stops the worker loudly
+            try:
+                prepared = fut.result()
+            except (WeightFormatError, BaseModelMismatch):
+                raise  # the run's engine and trainer disagree: every notice would fail so
+            except Exception as exc:  # missing, unreadable, sha256 mismatch: retried, then skipped
+                self._fetch_failed(upd, tries + 1, exc)
+                return
             self.fetch_ms = (time.monotonic() - t0) * 1e3
             self.loadable = (upd, prepared, t0)
+
+    def _fetch_failed(self, upd: dict, tries: int, exc: Exception) -> None:
+        self.fetch_failures += 1
+        reason = (
+            f"weights v{upd['version']} at {upd['uri']!r} could not be fetched or verified ({tries} tries): {exc!r}"
+        )
+        if tries < FETCH_TRIES:
+            log.warning("weight fetch failed, will retry %s", kv(version=upd["version"], tries=tries, error=exc))
+            self._retry = (upd, time.monotonic() + RETRY_S * tries, tries)
+        else:
+            self.control.reject(upd, "unverifiable_checkpoint", reason)
 
     def may_admit(self, group_seq: int) -> bool:
         """May a group start under the engine's loaded version (``pipeline.control.may_admit``
@@ -93,9 +127,10 @@ class WeightSync:
 
     def wait_loadable(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self._fetch is not None and self.loadable is None:
+        while (self._fetch is not None or self._retry is not None) and self.loadable is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fetching weights v{self._fetch[0]['version']} took more than {timeout} s")
+                upd = (self._fetch or self._retry)[0]
+                raise TimeoutError(f"fetching weights v{upd['version']} took more than {timeout} s")
             self.poll()
             time.sleep(0.01)
 

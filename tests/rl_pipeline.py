@@ -43,7 +43,7 @@ def settings(task_file: Path, prefix: str, steps: int, G: int = 8, n: int = 8, k
         "trainer.poll_timeout_s=0.2",
         "trainer.keep_weight_versions=3",
         "model.type=tiny",
-        *(f"model.{k}={json.dumps(v)}" for k, v in model_settings().items()),
+        *(f"{k}={json.dumps(v)}" for k, v in model_settings().items()),  # keys come with "model."
         # the run's consumer groups and transactional ids under the test's prefix
         *(f"{k}={json.dumps(v)}" for k, v in RunIdentity.of_prefix(prefix).settings().items() if k != "topics.prefix"),
     ]

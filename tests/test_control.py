@@ -53,36 +53,31 @@ def test_checkpoint_write_read_verify_gc(tmp_path):
 def test_control_follower_sees_newest_notice_and_commands(make_config):
     cfg = make_config()
     topic = cfg.topics.name("control")
+
+    def notice(v: int) -> dict:
+        return {"version": v, "uri": f"file:///v{v}", "sha256": "x", "bytes": 1, "step": v, "created_at_ms": 1}
+
     with Producer(client_conf(cfg, "test", kind="producer")) as p:
-        for v in (1, 3, 2):
-            control.publish_weight_update(
-                p,
-                topic,
-                {
-                    "version": v,
-                    "uri": f"file:///v{v}",
-                    "sha256": "x",
-                    "bytes": 1,
-                    "step": v,
-                    "created_at_ms": control.now_ms(),
-                },
-            )
+        for v in (1, 3, 2, 2):  # 3 does not follow 1: dead-lettered; the second 2 is a re-publication
+            control.publish_weight_update(p, topic, notice(v))
         control.publish_command(p, topic, "stop", {"why": "test"})
         p.produce(topic, b"garbage")  # skipped with a log line, not fatal
     f = control.ControlFollower(cfg, "test")
     try:
         latest = f.catch_up(timeout=20)
-        assert latest["version"] == 3  # newest by version, not by arrival
+        assert latest["version"] == 2 and f.dead_lettered == 1
         assert [c["name"] for c in f.commands] == ["stop"]
         with Producer(client_conf(cfg, "test", kind="producer")) as p:
-            control.publish_weight_update(
-                p,
-                topic,
-                {"version": 4, "uri": "u", "sha256": "x", "bytes": 1, "step": 4, "created_at_ms": control.now_ms()},
-            )
-        assert f.wait_for_version(4, timeout=20)["version"] == 4
+            control.publish_weight_update(p, topic, notice(3))
+        assert f.wait_for_version(3, timeout=20)["version"] == 3
+        f.reject(f.latest_update, "unverifiable_checkpoint", "test")  # falls back to the one before
+        assert f.latest_update["version"] == 2 and f.dead_lettered == 2
     finally:
         f.close()
+    from tests.rollout_helpers import read_topic
+
+    dl = read_topic(cfg, "dlq", "DeadLetter", min_count=2)
+    assert [d["error_type"] for _, d in dl] == ["implausible_version", "unverifiable_checkpoint"]
 
 
 @pytest.mark.kafka

@@ -135,9 +135,26 @@ class Evaluator(Worker):
         if due(self.evaluated, target, self.ec.every_versions, final):
             if target > self.engine.version:
                 with self.section("weight load"):
-                    self.engine.load_weights(upd, self.engine.prepare_weights(upd))
+                    if not self._load(upd):
+                        return True
             with self.section("evaluation"):
                 self._evaluate(final)
+        return True
+
+    def _load(self, upd: dict) -> bool:
+        """Load ``upd``'s weights; a checkpoint that cannot be fetched or verified is dead-lettered and
+        skipped (False): the evaluator waits for the next notice (``pipeline.control``)."""
+        from libs.engines.adapters import BaseModelMismatch
+
+        try:
+            prepared = self.engine.prepare_weights(upd)
+        except BaseModelMismatch:
+            raise
+        except Exception as exc:
+            reason = f"weights v{upd['version']} at {upd['uri']!r} could not be fetched or verified: {exc!r}"
+            self.control.reject(upd, "unverifiable_checkpoint", reason)
+            return False
+        self.engine.load_weights(upd, prepared)
         return True
 
     def _evaluate(self, final: bool = False) -> None:

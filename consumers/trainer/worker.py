@@ -170,8 +170,9 @@ class Trainer(Worker):
         self._reconcile_control(ptr)
 
     def _reconcile_control(self, ptr: dict | None) -> None:
-        """Make rl.control agree with the checkpoint: re-publish its notice if a crash came before it."""
-        follower = ControlFollower(self.cfg, "trainer", self.tc.trainer_id)
+        """Make rl.control agree with the checkpoint: re-publish its notice if a crash came before it.
+        Only this trainer's own notices count (``writer``): one it did not write never blocks it."""
+        follower = ControlFollower(self.cfg, "trainer", self.tc.trainer_id, writer=self.tc.trainer_id)
         try:
             latest = follower.catch_up(self.liveness.startup_timeout_s)
         finally:
