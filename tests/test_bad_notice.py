@@ -49,9 +49,12 @@ def test_bad_notices_are_dead_lettered_and_the_pipeline_keeps_moving(make_config
     from producers.rollout import RolloutWorker
 
     task = rl_pipeline.write_task(tmp_path / "task.jsonl")
-    cfg = make_config(*rl_pipeline.settings(task, topic_prefix, 40, G=2, n=4, k=1))
+    # prompts for far more versions than the test waits for: the trainer steps about once a second
+    # while the unverifiable notices are retried (2 s, 4 s), and a feed that runs dry stops the
+    # versions the last wait counts on (CI on a loaded machine ran out at v192 with 40 steps' worth)
+    cfg = make_config(*rl_pipeline.settings(task, topic_prefix, 2000, G=2, n=4, k=1))
     feed.run(cfg)
-    trainer = Trainer(cfg, max_steps=1000)
+    trainer = Trainer(cfg, max_steps=100_000)
     roles = [rl_pipeline.RoleThread("reward", RewardWorker(cfg).run)]
     roles.append(rl_pipeline.RoleThread("rollout", RolloutWorker(cfg).run))
     roles.append(rl_pipeline.RoleThread("trainer", trainer.run))
