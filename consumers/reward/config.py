@@ -26,6 +26,10 @@ class RewardConfig(ScoringConfig):
     group_instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
     """Static membership (``group.instance.id``): a restart within the session timeout keeps the
     partitions without a rebalance. None: dynamic membership."""
+    max_consumer_replacements: int = Field(3, ge=0, le=100)
+    """A static member fenced by a consumer with its own ``group.instance.id`` (librdkafka can do
+    this to itself after a broker restart) replaces its consumer in place, up to this many times
+    in 10 minutes; past that (another live process uses the same id) it exits with the error."""
     transactional_id_prefix: str = Field(DEFAULT_IDENTITY.transactional_id_prefix, pattern=r"^[A-Za-z0-9._-]+$")
     """The worker's ``transactional.id`` is ``<prefix>-<worker_id>`` (``pipeline.topology.transactional_id``)."""
     max_batch_size: int = Field(32, ge=1, le=100_000)

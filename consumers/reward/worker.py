@@ -29,7 +29,7 @@ import time
 from consumers.reward.metrics import RewardMetrics
 from libs.rewards.pool import make_pool
 from pipeline.control import now_ms
-from pipeline.errors import DecodeError, DeliveryError
+from pipeline.errors import ConsumeError, DecodeError, DeliveryError
 from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.records import check_trajectory
@@ -37,6 +37,8 @@ from pipeline.topology import transactional_id
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
+RENEW_WINDOW_S = 600.0
+"""``reward.max_consumer_replacements`` counts consumer replacements within this window."""
 
 
 class RewardWorker(Worker):
@@ -54,6 +56,8 @@ class RewardWorker(Worker):
         self.topic_dlq = cfg.topics.name("dlq")
         self.topic_metrics = cfg.topics.name("metrics")
         self._buffer: list = []
+        self._renewed_at: list[float] = []
+        """When the consumer was replaced after a fencing (``_renew_fenced_consumer``)."""
         self.txn: ExactlyOnceLoop | None = None
         self.pool = self.consumer = self.metrics = self._metrics_producer = None
         rc = self.rc  # the longest one batch may take to score: every call timing out, one pool slot at a time
@@ -144,7 +148,13 @@ class RewardWorker(Worker):
 
     def run_once(self) -> bool:
         """Score one batch in one transaction (a stop drops an unscored batch, never commits it)."""
-        batch = self._collect()
+        try:
+            batch = self._collect()
+        except ConsumeError as exc:
+            if not Consumer.is_fenced_member(exc):
+                raise
+            self._renew_fenced_consumer(exc)
+            return True
         if batch and not self.stop_event.is_set():
             self._process(batch)
         else:  # idle (or stopping): end the transaction in flight
@@ -153,6 +163,35 @@ class RewardWorker(Worker):
         self.metrics.maybe_publish()
         self._metrics_producer.poll(0)
         return True
+
+    def _renew_fenced_consumer(self, exc: ConsumeError) -> None:
+        """Our static registration was taken by a consumer with our ``group.instance.id`` (librdkafka
+        itself, after a broker restart, or another process). End the transaction in flight (its
+        offsets carry the fenced membership: it aborts, and is read again), drop what was read,
+        and replace the consumer in place: the new member takes the registration back and reads on
+        from the committed offsets, so nothing is lost or scored twice. Past the budget another
+        live process holds the id: exit with the error."""
+        now = time.monotonic()
+        self._renewed_at = [t for t in self._renewed_at if now - t < RENEW_WINDOW_S] + [now]
+        budget = self.rc.max_consumer_replacements
+        if len(self._renewed_at) > budget:
+            raise ConsumeError(
+                f"fenced as a static member {len(self._renewed_at)} times in {RENEW_WINDOW_S:.0f} s (budget "
+                f"reward.max_consumer_replacements={budget}): another live process uses group.instance.id="
+                f"{self.rc.group_instance_id!r} in group {self.rc.group_id!r}; give each worker its own "
+                f"reward.group_instance_id ({exc})",
+                exc.kafka_error,
+            ) from exc
+        log.warning(
+            "static member fenced by its own group.instance.id; replacing the consumer %s",
+            kv(worker_id=self.worker_id, instance_id=self.rc.group_instance_id, error=exc),
+        )
+        self.txn.settle()  # a fatal error here (the producer fenced) ends the worker, as before
+        self._buffer = []
+        with self.section("replace consumer", self.liveness.outage_s + 60):
+            self.consumer.renew()
+        self.txn.rewound()  # the new member reads from the committed offsets: nothing to seek
+        self.metrics.m.inc("consumers_replaced")
 
     def finish(self) -> None:
         """A stop: let the transaction in flight commit (a failed one is read again by the next owner)."""

@@ -66,6 +66,8 @@ class Consumer:
             # librdkafka needs a group id even for assign()-only use; it is never committed to.
             self._conf["group.id"] = f"{ASSIGN_ONLY_GROUP_PREFIX}{id(self)}"
         self._client: _Consumer | None = None
+        self._subscription: tuple | None = None
+        """What ``subscribe`` was given, for ``renew``."""
         self._assigned: set[TP] = set()
         self._paused: set[TP] = set()
         self._last_transient = 0.0
@@ -86,6 +88,7 @@ class Consumer:
         """Join the group. Callbacks get ``(consumer, [TopicPartition])`` as in confluent-kafka;
         they run inside ``poll``/``consume``/``close``."""
 
+        self._subscription = (list(topics), on_assign, on_revoke, on_lost)
         cooperative = "cooperative" in str(self._conf.get("partition.assignment.strategy", ""))
 
         def assigned(client, parts):
@@ -118,6 +121,26 @@ class Consumer:
             on_revoke=removed(on_revoke),
             on_lost=removed(on_lost),
         )
+
+    def renew(self) -> None:
+        """Replace the client by a new one with the same settings and subscription, in place (the
+        objects holding this wrapper keep it): the way out of a fatal consumer error such as a
+        static member fenced by its own instance id (``is_fenced_member``). The old client is
+        closed (its final revoke or loss callbacks run; a failing close is logged, not raised);
+        the new one joins the group as a new member with the same ``group.instance.id``, taking the
+        registration back, and reads on from the group's committed offsets."""
+        if self._subscription is None:
+            raise RuntimeError("renew() needs a subscribed consumer")
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except (KafkaException, RuntimeError) as exc:  # a fatally failed client may refuse to close cleanly
+                log.warning("closing the replaced consumer failed %s", kv(error=exc))
+        self._assigned.clear()
+        self._paused.clear()
+        topics, on_assign, on_revoke, on_lost = self._subscription
+        self.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke, on_lost=on_lost)
 
     def assign(self, partitions: list[TopicPartition]) -> None:
         """Read these partitions (from each one's offset, if set) outside any group rebalance."""
@@ -221,6 +244,19 @@ class Consumer:
         return self._call("consumer_group_metadata", self._c().consumer_group_metadata)
 
     # -- reading -------------------------------------------------------------------------------
+    @staticmethod
+    def is_fenced_member(exc: BaseException) -> bool:
+        """``exc`` says this consumer, a static member, was fenced by a consumer with the same
+        ``group.instance.id`` (a fatal error of the client: ``renew`` is the way on, or exit). A
+        consumer's fatal error reaches ``poll`` as code ``_FATAL`` (whose ``fatal()`` is false)
+        naming the cause in its text."""
+        if not isinstance(exc, ConsumeError) or exc.kafka_error is None:
+            return False
+        err = exc.kafka_error
+        return err.code() == KafkaError.FENCED_INSTANCE_ID or (
+            (err.fatal() or err.code() == KafkaError._FATAL) and "same group.instance.id" in (err.str() or "")
+        )
+
     @staticmethod
     def is_eof(msg: Message) -> bool:
         return msg.error() is not None and msg.error().code() == KafkaError._PARTITION_EOF
