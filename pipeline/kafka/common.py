@@ -239,6 +239,18 @@ def wedged_clients() -> int:
     return len(_WEDGED)
 
 
+_TIMEOUT_CODES = frozenset({KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT})
+
+
+def uncertain(exc: BaseException) -> bool:
+    """``exc`` leaves the outcome of a transaction unknown: a transaction call that timed out or
+    never returned (``WedgedClient``). The only safe way on is a new producer epoch (module docstring)."""
+    if isinstance(exc, WedgedClient):
+        return True
+    ke = getattr(exc, "kafka_error", None)
+    return ke is not None and ke.code() in _TIMEOUT_CODES and not ke.fatal() and not ke.txn_requires_abort()
+
+
 def _bounded(fn, args: tuple, timeout: float, what: str):
     """``fn(*args)`` in a daemon thread; WedgedClient if it has not returned after ``timeout``."""
     box: dict = {}

@@ -221,6 +221,15 @@ class Producer:
         self._error = None
         return dropped
 
+    def park(self) -> None:
+        """Stop using this client for good without destroying it (destroying a client whose
+        transaction call timed out may block as well): kept referenced for the life of the process,
+        like a wedged one. Its requests still in flight are fenced by its successor's epoch."""
+        if self._client is not None:
+            _WEDGED.append(self._client)
+            self._client = None
+        self.fatal = True
+
     def abandon(self) -> None:
         """Release the client without flushing. Only for a producer whose open transaction is lost
         anyway (fenced, or failing): tracebacks may keep this wrapper alive, not the client."""

@@ -9,12 +9,19 @@ output (``produce_record`` / ``produce``, into the open transaction). The loop o
   producer with the same transactional id (a zombie) and aborts its open transaction;
 * begin, produce, send the batch's next offsets with the consumer's group metadata, commit (a
   retriable commit error is retried, up to 10 attempts);
-* a failed transaction: a non-fatal error aborts it (an abort that fails during a broker outage is
-  retried for up to ``outage_s``), a call librdkafka never returns from (``WedgedClient``,
-  librdkafka #5456) replaces the producer in-process (the new one's ``init_transactions`` aborts the
-  stuck transaction on the broker), and in both cases the batch is marked to be read again:
-  ``rewound`` seeks its partitions back to the batch's first offsets, together with any batch read
-  after it. A fatal error (fenced) is raised: the stage exits, a restart with the same id recovers;
+* a failed transaction: an error that says the transaction did not commit (abortable, or
+  retriable but not a timeout) aborts it (an abort that fails during a broker outage is retried for
+  up to ``outage_s``), and the batch is marked to be read again: ``rewound`` seeks its partitions
+  back to the batch's first offsets, together with any batch read after it;
+* an end of transaction whose outcome is unknown (a send-offsets, commit or abort call that timed
+  out, or one librdkafka never returns from: ``WedgedClient``, librdkafka #5456) is never retried
+  in the same producer epoch. librdkafka does not implement KIP-890 (#5423), so a request of that
+  epoch still in flight could land after the transaction ended and open a "hanging" one (KAFKA-17754).
+  The producer is replaced in-process instead: the new one's ``init_transactions`` bumps the epoch,
+  which fences every request of the old one, and completes or aborts the old transaction on the
+  coordinator; ``rewound`` then seeks to the group's committed offsets (read_committed, so they
+  say which way it went): nothing lost, nothing written twice, as KIP-890's client side proposes.
+  A fatal error (fenced) is raised: the stage exits, a restart with the same id recovers;
 * bounded budgets: every transaction call is bounded by the wrapper (``Producer.TXN_GRACE_S``) and,
   behind it, by the watchdog sections the stage passes in (``section``: ``transaction``,
   ``send_offsets_to_transaction``, ``commit_transaction``, ``abort_transaction``,
@@ -41,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import KafkaClientError
-from pipeline.kafka.common import WedgedClient, next_offsets
+from pipeline.kafka.common import next_offsets, uncertain
 from pipeline.kafka.consumer import Consumer
 from pipeline.kafka.producer import Producer
 from pipeline.log import kv
@@ -125,8 +132,9 @@ class ExactlyOnceLoop:
         """A transaction is open (begun, not yet committed or aborted)."""
         self._txn: _Txn | None = None
         """The produced transaction whose commit is in flight (at most one)."""
-        self._rewind_due: tuple[list, Exception, str] | None = None
-        """A failed transaction's batch, to be read again (with whatever was read after it)."""
+        self._rewind_due: tuple[list, Exception, str, bool] | None = None
+        """A failed transaction's batch, to be read again (with whatever was read after it), and
+        whether its outcome is unknown (then from the group's committed offsets)."""
         self.overlap = overlap
         """Batch N's offsets and commit run on a commit thread while the stage reads batch N+1."""
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="txn-commit") if overlap else None
@@ -138,13 +146,17 @@ class ExactlyOnceLoop:
         producer = self.producer = Producer(self._pconf, transactional_id=self.transactional_id)
         self._retry(lambda: producer.init_transactions(self.init_s), "init_transactions")
 
-    def _replace_wedged_producer(self, exc: WedgedClient) -> None:
-        """librdkafka blocked for good in a transaction call (after a broker restart): park that
-        client and start a new producer (whose init_transactions aborts the stuck transaction on the
-        broker), in this process: no restart, no rebalance. The caller rewinds."""
-        log.warning("transactional producer stuck; replacing it %s", kv(worker_id=self.worker_id, error=exc))
+    def _replace_producer(self, exc: Exception) -> None:
+        """A transaction call timed out or librdkafka blocked in it for good (after a broker restart):
+        park that client and start a new producer with the same transactional id, in this process (no
+        restart, no rebalance). Its init_transactions bumps the epoch, fencing whatever the old one
+        still has in flight, and completes or aborts the old transaction. The caller rewinds."""
+        log.warning("transaction outcome unknown; replacing the producer %s", kv(worker_id=self.worker_id, error=exc))
         self._hooks["replaced"](exc)
         self.in_txn = False
+        old, self.producer = self.producer, None
+        if old is not None:
+            old.park()  # never touched again: its requests are fenced by the new epoch
         with self._section("replace producer", self.outage_s + 60):
             self.start()
 
@@ -224,8 +236,8 @@ class ExactlyOnceLoop:
             except KafkaClientError as exc:
                 ke = exc.kafka_error
                 last = attempt == COMMIT_ATTEMPTS - 1
-                if ke is None or not ke.retriable() or ke.fatal() or ke.txn_requires_abort() or last:
-                    raise
+                if ke is None or not ke.retriable() or ke.fatal() or ke.txn_requires_abort() or last or uncertain(exc):
+                    raise  # a timed-out commit is not retried in this epoch: settle replaces the producer
                 log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
 
     # -- ending a transaction --------------------------------------------------------------------
@@ -250,17 +262,20 @@ class ExactlyOnceLoop:
             self._hooks["committed"](txn.result, (time.perf_counter() - txn.t0) * 1000)
             log.debug("transaction committed %s", kv(worker_id=self.worker_id, batch=len(txn.batch)))
             return
-        if isinstance(exc, WedgedClient):
-            self._replace_wedged_producer(exc)
+        unknown = uncertain(exc)
+        if unknown:
+            self._replace_producer(exc)
             why = "producer replaced"
         elif isinstance(exc, KafkaClientError) and not exc.fatal:
-            self._abort(exc)
-            why = "transaction aborted"
+            unknown = self._abort(exc)
+            why = "producer replaced" if unknown else "transaction aborted"
         else:
             raise exc  # fenced or otherwise unusable: exit; a restart (same id) recovers cleanly
-        self._rewind_due = (txn.batch, exc, why)
+        self._rewind_due = (txn.batch, exc, why, unknown)
 
-    def _abort(self, exc: Exception) -> None:
+    def _abort(self, exc: Exception) -> bool:
+        """Abort the failed transaction. An abort that times out (or wedges) has an unknown outcome
+        too: the producer is replaced instead, and True returned (rewind from committed offsets)."""
         deadline = time.monotonic() + self.outage_s
         while True:  # a broker outage can make the abort itself fail for a while: ride it out
             try:
@@ -268,12 +283,16 @@ class ExactlyOnceLoop:
                     self.producer.abort_transaction(self.request_timeout_s)
                 break
             except KafkaClientError as abort_exc:
+                if uncertain(abort_exc):
+                    self._replace_producer(abort_exc)
+                    return True
                 if abort_exc.fatal or not abort_exc.retriable or time.monotonic() > deadline:
                     raise
                 log.warning("abort failed, retrying %s", kv(error=abort_exc))
                 time.sleep(1.0)
         self.in_txn = False
         self._hooks["aborted"](exc)
+        return False
 
     def rewound(self, batch: list = ()) -> bool:
         """If a transaction failed: read its batch and ``batch`` (read after it) again, seeking every
@@ -281,16 +300,20 @@ class ExactlyOnceLoop:
         drops ``batch``."""
         if self._rewind_due is None:
             return False
-        failed, exc, why = self._rewind_due
+        failed, exc, why, unknown = self._rewind_due
         self._rewind_due = None
         first: dict[tuple[str, int], int] = {}
         for m in [*failed, *batch]:
             key = (m.topic(), m.partition())
             first[key] = min(first.get(key, m.offset()), m.offset())
         assigned = self.consumer.assignment()
+        first = {tp: offset for tp, offset in first.items() if tp in assigned}
+        if unknown and first:  # the transaction may have committed: the group's offsets say (read_committed)
+            tps = list(first)
+            committed = self._retry(lambda: self.consumer.committed(tps, self.request_timeout_s), "committed offsets")
+            first = {tp: committed[tp] if committed.get(tp, -1) >= 0 else offset for tp, offset in first.items()}
         for (topic, part), offset in first.items():
-            if (topic, part) in assigned:
-                self.consumer.seek(topic, part, offset)
+            self.consumer.seek(topic, part, offset)
         where = ",".join(f"{t}[{p}]@{o}" for (t, p), o in first.items())
         log.warning("%s, rewound %s", why, kv(worker_id=self.worker_id, error=exc, partitions=where))
         return True
