@@ -222,6 +222,23 @@ def test_every_bad_record_is_wrong_as_named(topic):
 
 @pytest.mark.kafka
 @pytest.mark.slow
+def test_availability_figures_from_steps_and_kills():
+    """ETTR, trainer kill -> next step and the trainer's longest idle after a rollout kill, on a
+    hand-made timeline: steps of 1 s ending every 2 s from t=102 to t=200, except a 30 s hole after
+    a trainer kill at t=150.5; a rollout kill at t=120.5 with no hole."""
+    ends = [t for t in range(102, 201, 2) if not 150 < t < 180]
+    steps = [{"step": i, "time": t, "step_time_s": 1.0} for i, t in enumerate(ends)]
+    kill = lambda name, t: {"event": "signal", "signal": "SIGKILL", "name": name, "time": t}  # noqa: E731
+    events = [kill("trainer", 150.5), kill("rollout-1", 120.5), {"event": "restart", "name": "trainer", "time": 152}]
+    a = ca.availability(steps, events, 100.0, 200.0)
+    assert a["ettr"] == round(len(ends) / 100, 3)
+    assert a["trainer_kill_to_step_s"] == [29.5]  # the first step end after 150.5 is 180
+    assert a["rollout_kill_trainer_idle_s"] == [30.0]  # its window (to 240.5) holds the 150 -> 180 hole
+    assert a["kills_per_min"] == 1.2
+    assert ca.availability_line(a).startswith("availability: ettr=0.")
+    assert ca.availability([], events, 100.0, None)["ettr"] is None
+
+
 def test_tiny_fault_run_passes(tmp_path):
     """The CI fault run: its own broker (port 0, data in its run dir, so it never touches the test
     session's broker), kill -9 of the trainer and the feed, a broker restart, a join/leave and ~50
@@ -267,3 +284,6 @@ def test_tiny_fault_run_passes(tmp_path):
     assert audit["fuzz_injected"] >= 40 and audit["dlq_missing"] == 0
     assert audit["fed_groups"] == report["plan"]["groups"] and audit["steps"] == report["plan"]["max_steps"]
     assert (out / "logs" / "trainer.log").is_file() and (out / "logs" / "events.jsonl").is_file()
+    avail = report["availability"]  # printed above the verdict line; figures, not targets
+    assert lines[-2].startswith("availability: ettr=") and 0 < avail["ettr"] <= 1, (lines[-2:], avail)
+    assert len(avail["trainer_kill_to_step_s"]) == done["trainer_kills"], avail

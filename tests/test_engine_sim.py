@@ -36,7 +36,9 @@ def test_continuous_batching_time_model():
     took = time.monotonic() - t0
     assert all(len(o.tokens) == 40 and len(o.logprobs) == 40 and o.finish_reason == "stop" for o in outs)
     assert all(o.tokens[-1] == 2 and 2 not in o.tokens[:-1] for o in outs)
-    assert 0.19 <= took < 3.0  # 40 decode steps of 5 ms for the whole batch, not 32 x 40 (6.4 s)
+    # 40 decode steps of 5 ms for the whole batch (0.2 s quiet), not 32 x 40 one at a time (6.4 s): the
+    # bound is the serial time, not a speed target (a loaded machine stretches every step)
+    assert 0.19 <= took < 6.0
     assert eng.inflight() == 0
 
     capped = SimEngine(

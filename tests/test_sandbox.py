@@ -16,6 +16,10 @@ from libs.rewards.sandbox import SandboxLimits, capabilities, processes_of, run_
 from pipeline.kafka import wait_for
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=64 * 1024)
+"""For programs that must end by the wall limit (they sleep)."""
+ROOMY = SandboxLimits(wall_s=60.0, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=64 * 1024)
+"""For programs that must end by another limit, or finish: a wall limit a loaded machine cannot hit
+first (at load 10 on 2 cores, one CPU-second of a spinning program took more than FAST's 3 s wall)."""
 SQUARE = "n = int(input())\nprint(n * n)\n"
 TESTS = {"tests": [{"input": "3\n", "output": "9\n"}, {"input": "-4\n", "output": "16"}, {"input": "0", "output": "0"}]}
 
@@ -25,7 +29,7 @@ def code_traj(program: str, tests=TESTS) -> dict:
 
 
 def score(program: str, **kw) -> float:
-    limits = {k: getattr(FAST, k) for k in ("wall_s", "cpu_s", "memory_mb", "max_processes", "max_output_bytes")}
+    limits = {k: getattr(ROOMY, k) for k in ("wall_s", "cpu_s", "memory_mb", "max_processes", "max_output_bytes")}
     return build("code", {**limits, **kw})(code_traj(program)).reward
 
 
@@ -42,18 +46,18 @@ def gone(pids: list[int]) -> bool:
 
 
 def test_correct_program_passes_and_scores_one():
-    res = run_python(SQUARE, "12\n", FAST)
+    res = run_python(SQUARE, "12\n", ROOMY)
     assert res.status == "ok" and res.stdout == "144\n" and res.returncode == 0
     assert score(SQUARE) == 1.0
     fenced = f"Here you go:\n```python\n{SQUARE}```\nDone."
     assert extract_code(fenced) == SQUARE and score(fenced) == 1.0
     assert score("print(9)") == 0.0  # wrong on two of three tests
-    partial = build("code", {"partial": True, "wall_s": 3.0})(code_traj("print(9)"))
+    partial = build("code", {"partial": True, "wall_s": 60.0})(code_traj("print(9)"))
     assert partial.reward == pytest.approx(1 / 3) and partial.details["passed"] == 1.0
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit():
-    res = run_python("while True:\n    pass\n", "", FAST)
+    res = run_python("while True:\n    pass\n", "", ROOMY)
     assert res.status == "cpu_limit" and res.returncode < 0
     assert score("while True:\n    pass\n") == 0.0
 
@@ -83,9 +87,9 @@ def test_fork_bomb_is_bounded_and_leaves_no_process():
     assert 1 <= len(pids) < 127  # some forks succeeded, the limit stopped the rest
     if sandbox_uid(FAST) is not None:
         assert len(pids) < FAST.max_processes  # RLIMIT_NPROC counts only this run's uid
-        assert wait_for(lambda: not processes_of(sandbox_uid(FAST)), 10)
-    assert wait_for(lambda: gone(pids), 10)
-    assert score(bomb) == 0.0
+        assert wait_for(lambda: not processes_of(sandbox_uid(FAST)), 60)
+    assert wait_for(lambda: gone(pids), 60)
+    assert score(bomb, wall_s=3.0) == 0.0
 
 
 def test_escaped_daemon_is_swept():
@@ -101,23 +105,23 @@ def test_escaped_daemon_is_swept():
         print(pid)
         """
     )
-    res = run_python(daemon, "", FAST)
+    res = run_python(daemon, "", ROOMY)
     assert res.status == "ok"
-    assert wait_for(lambda: gone([int(res.stdout)]), 10)
+    assert wait_for(lambda: gone([int(res.stdout)]), 60)
 
 
 def test_memory_hog_fails_inside_its_limit():
     hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(32 << 20))\n"
-    res = run_python(hog, "", FAST)
+    res = run_python(hog, "", ROOMY)
     assert res.status == "runtime_error" and "MemoryError" in res.stderr
     assert score(hog) == 0.0
 
 
 def test_huge_output_is_capped():
     flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
-    res = run_python(flood, "", FAST)
+    res = run_python(flood, "", ROOMY)
     assert res.status == "output_limit"
-    assert len(res.stdout) <= FAST.max_output_bytes
+    assert len(res.stdout) <= ROOMY.max_output_bytes
     assert score(flood) == 0.0
 
 
@@ -139,7 +143,7 @@ def test_no_network_and_a_private_temp_dir():
                 print("blocked", exc.errno)
             """
         )
-        res = run_python(prog, "", FAST)
+        res = run_python(prog, "", ROOMY)
     assert res.status == "ok"
     cwd, verdict = res.stdout.splitlines()
     assert verdict.startswith("blocked")

@@ -205,6 +205,8 @@ class Chaos:
         self.broker_ops, self.injector, self.rng = broker_ops, injector, random.Random(opts.seed + 1)
         self.phase, self.t_start = "warm-up", time.monotonic()
         self.t0 = self.t_drain = None
+        self.wall: dict[str, float] = {}
+        """Wall-clock start of the chaos phase and of the drain (``availability``)."""
         self.phases: dict[str, float] = {}
 
     # -- the loop --------------------------------------------------------------------------------
@@ -217,6 +219,7 @@ class Chaos:
                 self.phases["warmup_s"] = round(now - self.t_start, 1)
                 self.launcher.add_role(RoleSpec("feed", "feed", may_exit=True))
                 self.phase, self.t0 = "chaos", now
+                self.wall["chaos"] = time.time()
                 self.say(f"chaos phase: {len(self.pending)} faults over {self.p['duration_s']:.0f} s")
             elif now - self.t_start > self.opts.warmup_s:
                 return f"failed: the roles did not all start within {self.opts.warmup_s:.0f} s"
@@ -227,6 +230,7 @@ class Chaos:
                 self._do(f, t)
             if not self.pending and t >= self.p["duration_s"] and not self.broker_ops.busy:
                 self.phase, self.t_drain = "drain", now
+                self.wall["drain"] = time.time()
                 self.phases["chaos_s"] = round(now - self.t0, 1)
                 self.say("drain: no more faults; waiting for the trainer to finish")
         elif self.phase == "drain" and now - self.t_drain > self.opts.drain_s:
@@ -418,7 +422,7 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
                 shutil.rmtree(run_dir / "broker" / "logs", ignore_errors=True)
     changed = sorted({f for f, _ in code_fingerprint().items() ^ code_at_start.items()})
     return _report(
-        run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, time.monotonic() - t_start, changed
+        run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, time.monotonic() - t_start, changed, steps
     )
 
 
@@ -434,9 +438,11 @@ def code_fingerprint() -> dict[str, str]:
     }
 
 
-def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wall_s, changed) -> dict:
+def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wall_s, changed, steps) -> dict:
     events = chaos.launcher.sup.events if chaos and chaos.launcher.sup else []
     sup = chaos_audit.supervision(events)
+    wall = chaos.wall if chaos else {}
+    avail = chaos_audit.availability(steps, events, wall.get("chaos"), wall.get("drain"))
     done = chaos.done_counts(sup, audit["fuzz_injected"] if audit else 0)
     planned = {k: p[k] for k in ("kills", "trainer_kills", "feed_kills", "broker_restarts", "joins", "fuzz")}
     faults = {"planned": planned, "done": done}
@@ -471,10 +477,12 @@ def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wa
         "phases": chaos.phases,
         "faults": {**faults, "broker_restarts": ops.done, "timeline": [asdict(f) for f in chaos.faults]},
         "supervision": sup,
+        "availability": avail,
         "audit": audit,
         "code_changed_during_run": changed,
         "fuzz_records": injector.records if injector else [],
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    print(chaos_audit.availability_line(avail), flush=True)
     print(line, flush=True)
     return report

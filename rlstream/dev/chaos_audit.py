@@ -30,6 +30,7 @@ everything into PASS/FAIL and the one-line summary. Not a monitor of a live run.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, defaultdict
 
@@ -327,6 +328,69 @@ def supervision(events: list[dict]) -> dict:
         "unclean_stops": unclean,
         "crash_loops": [e for e in events if e["event"] == "crash_loop"],
     }
+
+
+# ---- availability ----------------------------------------------------------------------------
+IDLE_WINDOW_S = 120.0
+"""How long after a rollout-worker kill the trainer's longest idle gap is looked for."""
+
+
+def availability(steps: list[dict], events: list[dict], t_start: float | None, t_end: float | None) -> dict:
+    """Availability under the faults, from the steps log (each step's end ``time`` and its
+    ``step_time_s`` in the optimizer) and the supervisor's events (wall ``time`` of each kill -9),
+    over the chaos phase [``t_start``, ``t_end``] (wall seconds; ``t_end`` None: the last step):
+
+    * ``ettr``: effective training time ratio, time in optimizer steps / wall time;
+    * ``trainer_kill_to_step_s``: from each kill -9 of the trainer to the end of its next step;
+    * ``rollout_kill_trainer_idle_s``: per kill -9 of a rollout worker, the longest gap between two
+      step ends that overlaps the ``IDLE_WINDOW_S`` after it (the trainer's idle time, with the step);
+    * ``kills_per_min``: the kill rate those figures were measured at."""
+    done = sorted((s["time"], s.get("step_time_s") or 0.0) for s in steps if s.get("time"))
+    if t_start is None or not done:
+        return {"ettr": None, "trainer_kill_to_step_s": [], "rollout_kill_trainer_idle_s": [], "kills_per_min": None}
+    end = t_end if t_end is not None else done[-1][0]
+    inside = [(t, d) for t, d in done if t_start < t <= end]
+    wall = max(1e-9, end - t_start)
+    kills = [e for e in events if e["event"] == "signal" and e.get("signal") == "SIGKILL" and e.get("time")]
+    ends = [t for t, _ in done]
+
+    def next_step(after: float) -> float | None:
+        return next((t for t in ends if t > after), None)
+
+    trainer = [
+        round(n - e["time"], 1) for e in kills if role_of(e["name"]) == "trainer" and (n := next_step(e["time"]))
+    ]
+    idle = []
+    for e in kills:
+        if role_of(e["name"]) != "rollout":
+            continue
+        k = e["time"]  # the step ends around the window: the last before the kill, those in it, the first after it
+        before = [t for t in ends if t <= k][-1:]
+        after = [t for t in ends if t > k + IDLE_WINDOW_S][:1]
+        marks = before + [t for t in ends if k < t <= k + IDLE_WINDOW_S] + after
+        gaps = [b - a for a, b in itertools.pairwise(marks)]
+        if gaps:
+            idle.append(round(max(gaps), 1))
+    in_phase = [e for e in kills if t_start <= e["time"] <= end]
+    return {
+        "ettr": round(sum(d for _, d in inside) / wall, 3),
+        "trainer_kill_to_step_s": trainer,
+        "rollout_kill_trainer_idle_s": idle,
+        "kills_per_min": round(len(in_phase) / (wall / 60), 2),
+        "window_s": round(wall, 1),
+    }
+
+
+def availability_line(a: dict) -> str:
+    if a.get("ettr") is None:
+        return "availability: no steps in the chaos phase"
+    most = lambda xs: f"{max(xs):.1f}s" if xs else "-"  # noqa: E731
+    return (
+        f"availability: ettr={a['ettr']:.3f} at {a['kills_per_min']} kills/min over {a['window_s']:.0f}s; "
+        f"trainer kill -> next step max {most(a['trainer_kill_to_step_s'])} (n={len(a['trainer_kill_to_step_s'])}); "
+        f"rollout kill -> longest trainer idle max {most(a['rollout_kill_trainer_idle_s'])} "
+        f"(n={len(a['rollout_kill_trainer_idle_s'])})"
+    )
 
 
 # ---- verdict ---------------------------------------------------------------------------------
