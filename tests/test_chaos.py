@@ -105,6 +105,8 @@ DAMAGE = {
     "lost (never fed)": lambda d, s, f: d["prompts"].pop(),
     "scored_twice": lambda d, s, f: d["scored"].append({**d["scored"][0], "o": 50}),
     "dlq_missing": lambda d, s, f: d["dlq"].pop(),
+    # rl.scored partition 0 holds rollouts offset 2 before offset 1
+    "out_of_order": lambda d, s, f: d["scored"][1].update(src=(0, 2)) or d["scored"][2].update(src=(0, 1)),
     "staleness_violations": lambda d, s, f: s[1].update(version=5),
     "nonfinite_steps": lambda d, s, f: s[0].update(loss=math.nan),
     "fresh samples dropped as stale": lambda d, s, f: s[1]["stale"].append(s[1]["used"].pop()),

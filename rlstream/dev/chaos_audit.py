@@ -168,6 +168,19 @@ def audit(
     for row in data["rollouts"]:
         if not row.get("bad"):
             rollout_tids[row["gid"]].add(row["tid"])
+    # per-partition order: in each rl.scored partition, the records of one rollouts partition follow
+    # its offsets (a reward worker scores a partition in order and commits transactions in order)
+    last_src: dict[tuple[int, int], tuple[int, int]] = {}  # (scored p, source p) -> (source o, scored o)
+    disorder = []
+    for row in sorted(data["scored"], key=lambda x: (x["p"], x["o"])):
+        if row.get("bad") or (topics["scored"], row["p"], row["o"]) in fuzz_at or row["src"][0] < 0:
+            continue
+        key = (row["p"], row["src"][0])
+        prev = last_src.get(key)
+        if prev is not None and row["src"][1] <= prev[0]:
+            disorder.append({"scored": (row["p"], row["o"]), "source": row["src"], "after_source_offset": prev[0]})
+        last_src[key] = (row["src"][1], row["o"])
+    r["order_violations"], r["order_examples"] = len(disorder), disorder[:EXAMPLES]
     dup = {src: at for src, at in by_source.items() if len(at) > 1}
     r["scored_twice"] = len(dup)
     r["scored_twice_examples"] = [{"rollouts": list(s), "scored": at} for s, at in list(dup.items())[:EXAMPLES]]
@@ -399,6 +412,7 @@ COUNTERS = (
     "trained_twice",
     "scored_twice",
     "staleness_violations",
+    "out_of_order",
     "stalled",
     "hangs",
     "crashes",
@@ -415,6 +429,7 @@ def verdict(a: dict, sup: dict, faults: dict, status: str, wall_s: float) -> dic
         "trained_twice": a["trained_twice"],
         "scored_twice": a["scored_twice"],
         "staleness_violations": a["staleness_violations"],
+        "out_of_order": a.get("order_violations", 0),
         "stalled": a["stalled_groups"],
         "hangs": len(sup["hangs"]),
         "crashes": len(sup["crashes"]) + len(sup["crash_loops"]),
