@@ -64,10 +64,9 @@ def run_cli() -> None:
 def _broker(config, set_, nodes: int | None = None):
     from rlstream.broker_cluster import local_broker
 
-    cfg = load(config, set_, resolve=False).broker
     if nodes is not None:
-        cfg.nodes = nodes  # validated like the key
-    return local_broker(cfg, nodes)
+        set_ = [*(set_ or []), f"broker.nodes={nodes}"]  # validated like the key
+    return local_broker(load(config, set_, resolve=False).broker, nodes)
 
 
 @broker_app.command("start")
