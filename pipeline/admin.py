@@ -216,10 +216,32 @@ class Admin:
                     if err.code() != KafkaError.TOPIC_ALREADY_EXISTS:  # raced with another creator
                         raise TopicError(f"cannot create topic {name}: {err}", err) from exc
                     existing.add(name)
+            self._await_metadata({n: specs[n].partitions for n, r in result.items() if r == "created"})
         for name in specs:
             if name in existing:
                 result[name] = self._reconcile(name, specs[name], min_insync_replicas)
         return result
+
+    def _await_metadata(self, want: dict[str, int]) -> None:
+        """Until the metadata answer names every topic of ``want`` (name -> partitions) with at
+        least that many partitions, each with a leader: a broker (on a cluster, one other than the
+        controller) may show a new topic or new partitions a moment after the call returned."""
+        deadline = time.monotonic() + self.timeout
+        names = list(want)
+        while names:
+            md = retry_transient(lambda: self._admin.list_topics(timeout=self.timeout), self.timeout)
+            names = [
+                n
+                for n in names
+                if n not in md.topics
+                or md.topics[n].error is not None
+                or len(md.topics[n].partitions) < want[n]
+                or any(p.leader < 0 for p in md.topics[n].partitions.values())
+            ]
+            if names and time.monotonic() > deadline:
+                raise TopicError(f"topic(s) created but not in the metadata after {self.timeout}s: {', '.join(names)}")
+            if names:
+                time.sleep(0.1)
 
     def _reconcile(self, name: str, spec, min_insync_replicas: int | None) -> str:
         info = self.describe([name])[name]
@@ -241,6 +263,7 @@ class Admin:
         if info.partitions < spec.partitions:
             for fut in self._admin.create_partitions([NewPartitions(name, spec.partitions)]).values():
                 fut.result()
+            self._await_metadata({name: spec.partitions})
             log.info("added partitions %s", kv(topic=name, partitions=spec.partitions))
             changed = True
         elif info.partitions > spec.partitions:

@@ -97,6 +97,12 @@ def _consume(consumer: Consumer, want: int, seen: list[int], timeout: float = 24
     assert len(seen) >= want, f"read {len(seen)} of {want} within {timeout}s"
 
 
+def _proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (``T``: stopped by SIGSTOP)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def _features(bootstrap: str) -> str:
     from rlstream.kafka_tools import kafka_tool_argv
 
@@ -158,6 +164,11 @@ def test_three_nodes_survive_a_killed_leader(tmp_path):
         assert wait_for(lambda: all(len(r) == 3 for r in admin.in_sync_replicas(topic).values()), 240, 0.5), (
             admin.in_sync_replicas(topic)
         )
+        other = next(i for i in (1, 2, 3) if i != victim)
+        cluster.pause(other)
+        assert wait_for(lambda: _proc_state(cluster.pid(other)) == "T", 30)
+        cluster.resume(other)
+        assert wait_for(lambda: _proc_state(cluster.pid(other)) != "T", 30)
         _produce(producer, topic, 10 * BATCH, 2)
         _consume(consumer, 12 * BATCH, seen)
 
