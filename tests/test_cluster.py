@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -184,4 +185,65 @@ def test_three_nodes_survive_a_killed_leader(tmp_path):
                     client.close()
                 except Exception as exc:  # the cluster's state is what the test reports
                     print(f"closing {client}: {exc}")
+        cluster.stop(progress=print)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_pipeline_runs_on_three_nodes_through_a_killed_node(tmp_path):
+    """The whole pipeline (feed, rollout, reward, trainer as threads: tests/rl_pipeline.py) on
+    rf 3 / min.isr 2 topics of a 3-node cluster; node 2 is SIGKILLed once the trainer's first
+    step is logged (most steps then run on two nodes) and restarted once the third is (on a fast
+    run, after the last); every step is made."""
+    import threading
+
+    from consumers.trainer.state import read_steps_log
+    from pipeline.admin import ensure_topics
+    from tests import rl_pipeline
+
+    cluster = LocalCluster(
+        BrokerConfig(port=0, data_dir=tmp_path / "cluster", heap_mb=384, nodes=3, start_timeout_s=300)
+    )
+    steps, faults, abort = 6, [], threading.Event()
+    t = None
+    try:
+        state = cluster.start(progress=print, owned=True)
+        task = rl_pipeline.write_task(tmp_path / "task.jsonl")
+        cfg = load_config(
+            None,
+            [
+                f"kafka.bootstrap_servers={state['bootstrap']}",
+                "topics.prefix=pipe.",
+                "topics.replication_factor=3",
+                "topics.min_insync_replicas=2",
+                f"run_dir={tmp_path / 'runs'}",
+                *rl_pipeline.settings(task, "pipe.", steps, G=4, n=4),
+            ],
+            environ={},
+        )
+        ensure_topics(cfg)
+
+        def chaos():  # waits on the trainer's durable steps log, not on time; ``abort``: the test failed
+            def logged(n: int) -> bool:
+                return abort.is_set() or len(read_steps_log(Path(cfg.run_dir) / "trainer")) >= n
+
+            if wait_for(lambda: logged(1), 900, 0.5) and not abort.is_set():
+                cluster.kill(2, signal.SIGKILL)
+                faults.append("killed")
+                if wait_for(lambda: logged(3), 900, 0.5) and not abort.is_set():
+                    cluster.start_node(2, progress=print)
+                    faults.append("restarted")
+
+        t = threading.Thread(target=chaos, daemon=True)
+        t.start()
+        out = rl_pipeline.run(cfg, steps, rollout_workers=1, timeout=900)
+        t.join(400)  # the restart, if the run was faster than it
+        log = read_steps_log(Path(cfg.run_dir) / "trainer")
+        assert [e["step"] for e in log] == list(range(1, steps + 1))
+        assert faults == ["killed", "restarted"], faults
+        print(f"[cluster pipeline] {steps} steps in {out['seconds']:.0f} s through {faults}")
+    finally:
+        abort.set()
+        if t is not None:
+            t.join(400)  # no restart may race the stop
         cluster.stop(progress=print)
