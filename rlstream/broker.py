@@ -16,6 +16,8 @@ traffic uses the same listener as ``admin``; the controller listener stays on ``
 SASL/PLAIN for ``admin`` only (a PLAINTEXT one would make the anonymous principal a super user).
 
 This is for development, tests and the demo. Production clusters are run by Kafka's own tooling.
+Several nodes (``broker.nodes`` > 1, for fault tests): ``rlstream.broker_cluster``, which shares the
+properties, format, spawn, watcher and kill functions at the end of this module.
 """
 
 from __future__ import annotations
