@@ -40,11 +40,15 @@ from pipeline.log import kv
 log = logging.getLogger(__name__)
 
 
-def topic_configs(spec) -> dict[str, str]:
+def topic_configs(spec, min_insync_replicas: int | None = None) -> dict[str, str]:
+    """The topic configs of TopicSpec ``spec`` (``min_insync_replicas``: topics.min_insync_replicas;
+    None leaves the broker's default; a ``min.insync.replicas`` in ``spec.extra`` wins)."""
+    isr = {} if min_insync_replicas is None else {"min.insync.replicas": str(min_insync_replicas)}
     return {
         "retention.ms": str(spec.retention_ms),
         "cleanup.policy": spec.cleanup_policy,
         "max.message.bytes": str(spec.max_message_bytes),
+        **isr,
         **spec.extra,
     }
 
@@ -157,8 +161,37 @@ class Admin:
         except KafkaException as exc:
             raise TopicError(f"cannot list topics: {exc.args[0]}", exc.args[0]) from exc
 
-    def create_topics(self, specs: dict[str, object], default_rf: int = 1) -> dict[str, str]:
-        """Create ``{full_name: TopicSpec}``. Returns ``{name: created|exists|updated}``."""
+    def broker_count(self) -> int:
+        """How many brokers the cluster's metadata names."""
+        md = retry_transient(lambda: self._admin.list_topics(timeout=self.timeout), self.timeout)
+        return len(md.brokers)
+
+    def partition_leaders(self, topic: str) -> dict[int, int]:
+        """partition -> node id of its leader (-1 while it has none)."""
+        md = retry_transient(lambda: self._admin.list_topics(topic, timeout=self.timeout), self.timeout)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None:
+            raise TopicError(f"topic not found: {topic}")
+        return {p: part.leader for p, part in t.partitions.items()}
+
+    def in_sync_replicas(self, topic: str) -> dict[int, list[int]]:
+        """partition -> node ids of its in-sync replicas."""
+        md = retry_transient(lambda: self._admin.list_topics(topic, timeout=self.timeout), self.timeout)
+        return {p: list(part.isrs) for p, part in md.topics[topic].partitions.items()}
+
+    def group_coordinator(self, group: str) -> int:
+        """Node id of the coordinator of consumer group ``group``."""
+        try:
+            desc = self._admin.describe_consumer_groups([group], request_timeout=self.timeout)[group].result()
+        except KafkaException as exc:
+            raise TopicError(f"cannot describe group {group}: {exc.args[0]}", exc.args[0]) from exc
+        return desc.coordinator.id
+
+    def create_topics(
+        self, specs: dict[str, object], default_rf: int = 1, min_insync_replicas: int | None = None
+    ) -> dict[str, str]:
+        """Create ``{full_name: TopicSpec}`` (``default_rf``: where a spec has no replication
+        factor; ``min_insync_replicas``: ``topic_configs``). Returns ``{name: created|exists|updated}``."""
         existing = self.list_topics()
         result: dict[str, str] = {}
         new = [
@@ -166,7 +199,7 @@ class Admin:
                 name,
                 num_partitions=spec.partitions,
                 replication_factor=spec.replication_factor or default_rf,
-                config=topic_configs(spec),
+                config=topic_configs(spec, min_insync_replicas),
             )
             for name, spec in specs.items()
             if name not in existing
@@ -183,15 +216,37 @@ class Admin:
                     if err.code() != KafkaError.TOPIC_ALREADY_EXISTS:  # raced with another creator
                         raise TopicError(f"cannot create topic {name}: {err}", err) from exc
                     existing.add(name)
+            self._await_metadata({n: specs[n].partitions for n, r in result.items() if r == "created"})
         for name in specs:
             if name in existing:
-                result[name] = self._reconcile(name, specs[name])
+                result[name] = self._reconcile(name, specs[name], min_insync_replicas)
         return result
 
-    def _reconcile(self, name: str, spec) -> str:
+    def _await_metadata(self, want: dict[str, int]) -> None:
+        """Until the metadata answer names every topic of ``want`` (name -> partitions) with at
+        least that many partitions, each with a leader: a broker (on a cluster, one other than the
+        controller) may show a new topic or new partitions a moment after the call returned."""
+        deadline = time.monotonic() + self.timeout
+        names = list(want)
+        while names:
+            md = retry_transient(lambda: self._admin.list_topics(timeout=self.timeout), self.timeout)
+            names = [
+                n
+                for n in names
+                if n not in md.topics
+                or md.topics[n].error is not None
+                or len(md.topics[n].partitions) < want[n]
+                or any(p.leader < 0 for p in md.topics[n].partitions.values())
+            ]
+            if names and time.monotonic() > deadline:
+                raise TopicError(f"topic(s) created but not in the metadata after {self.timeout}s: {', '.join(names)}")
+            if names:
+                time.sleep(0.1)
+
+    def _reconcile(self, name: str, spec, min_insync_replicas: int | None) -> str:
         info = self.describe([name])[name]
         changed = False
-        want = topic_configs(spec)
+        want = topic_configs(spec, min_insync_replicas)
         diff = {k: v for k, v in want.items() if info.configs.get(k) != v}
         if diff:
             res = ConfigResource(
@@ -208,6 +263,7 @@ class Admin:
         if info.partitions < spec.partitions:
             for fut in self._admin.create_partitions([NewPartitions(name, spec.partitions)]).values():
                 fut.result()
+            self._await_metadata({name: spec.partitions})
             log.info("added partitions %s", kv(topic=name, partitions=spec.partitions))
             changed = True
         elif info.partitions > spec.partitions:
@@ -389,4 +445,4 @@ def ensure_topics(cfg, roles: list[str] | None = None) -> dict[str, str]:
     specs = cfg.topics.specs()
     wanted = {cfg.topics.name(r): specs[r] for r in (roles or specs)}
     admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
-    return admin.create_topics(wanted, cfg.topics.replication_factor)
+    return admin.create_topics(wanted, cfg.topics.replication_factor, cfg.topics.min_insync_replicas)

@@ -120,6 +120,11 @@ class TopicsConfig(StrictModel):
     """Prepended to every topic name; lets several runs share one cluster."""
     replication_factor: int = Field(1, ge=1)
     """Default replication factor (3 on a production cluster)."""
+    min_insync_replicas: int | None = Field(None, ge=1)
+    """``min.insync.replicas`` of every topic: how many replicas (leader included) must hold a
+    record before an ``acks=all`` write (every rlstream producer's) succeeds. None: the broker's
+    default. 2 with replication_factor 3 survives one broker down without losing an acknowledged
+    record. A topic's ``extra`` ``min.insync.replicas`` wins."""
     prompts: TopicSpec = TopicSpec(name="prompts", partitions=8)
     rollouts: TopicSpec = TopicSpec(name="rollouts", partitions=8)
     scored: TopicSpec = TopicSpec(name="scored", partitions=4)
@@ -153,6 +158,11 @@ class TopicsConfig(StrictModel):
             raise ValueError("topics.control.partitions must be 1 (a late joiner reads the newest notice)")
         if self.lease.partitions != 1:
             raise ValueError("topics.lease.partitions must be 1 (claims are ordered by their offsets)")
+        if (self.min_insync_replicas or 0) > self.replication_factor:
+            raise ValueError(
+                f"topics.min_insync_replicas ({self.min_insync_replicas}) must not exceed topics.replication_factor "
+                f"({self.replication_factor}): no acks=all write could succeed"
+            )
         return self
 
     def specs(self) -> dict[str, TopicSpec]:

@@ -16,6 +16,8 @@ traffic uses the same listener as ``admin``; the controller listener stays on ``
 SASL/PLAIN for ``admin`` only (a PLAINTEXT one would make the anonymous principal a super user).
 
 This is for development, tests and the demo. Production clusters are run by Kafka's own tooling.
+Several nodes (``broker.nodes`` > 1, for fault tests): ``rlstream.broker_cluster``, which shares the
+properties, format, spawn, watcher and kill functions at the end of this module.
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ logger.state.level = WARN
 
 
 def read_broker_state(data_dir: Path) -> dict | None:
-    """The running broker's state file, or None if it is absent or its process is gone."""
+    """The running broker's state file, or None if it is absent or its process is gone (for a
+    cluster, ``rlstream.broker_cluster``: every node's process)."""
     f = Path(data_dir) / "broker.json"
     try:
         state = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
-    return state if pid_alive(int(state.get("pid", -1))) else None
+    pids = [int(n.get("pid", -1)) for n in state.get("nodes", [])] or [int(state.get("pid", -1))]
+    return state if any(map(pid_alive, pids)) else None
 
 
 class LocalBroker(BrokerSecurity):
@@ -113,40 +117,11 @@ class LocalBroker(BrokerSecurity):
 
     # -- start -------------------------------------------------------------------------------
     def _properties(self, port: int, controller_port: int) -> str:
-        host = self.cfg.host
         listener = "SASL_SSL" if self.secured else "PLAINTEXT"
-        props = {
-            "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{host}:{controller_port}",
-            "listeners": f"{listener}://{host}:{port},CONTROLLER://{host}:{controller_port}",
-            "advertised.listeners": f"{listener}://{host}:{port}",
-            "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": listener,
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            "log.dirs": str(self.data_dir / "logs"),
-            "num.partitions": "1",
-            "default.replication.factor": "1",
-            "min.insync.replicas": "1",
-            "offsets.topic.replication.factor": "1",
-            "offsets.topic.num.partitions": "1",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "transaction.state.log.num.partitions": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
-            "group.initial.rebalance.delay.ms": "0",
-            "message.max.bytes": str(16 * 1024 * 1024),
-            "replica.fetch.max.bytes": str(16 * 1024 * 1024),
-            "num.network.threads": "2",
-            "num.io.threads": "4",
-            "num.recovery.threads.per.data.dir": "1",
-            "log.segment.bytes": str(256 * 1024 * 1024),
-            "auto.create.topics.enable": "false",
-            "delete.topic.enable": "true",
-            "transaction.abort.timed.out.transaction.cleanup.interval.ms": "5000",
-            "transaction.remove.expired.transaction.cleanup.interval.ms": "60000",
-        }
+        host = self.cfg.host
+        props = server_properties(
+            host, 1, port, controller_port, f"1@{host}:{controller_port}", self.data_dir / "logs", 1, listener
+        )
         if self.secured:
             props.update(self._security_properties())
         props.update(self.cfg.properties)
@@ -179,41 +154,18 @@ class LocalBroker(BrokerSecurity):
         props_file = self.data_dir / "server.properties"
         props_file.touch(mode=0o600)  # holds passwords when secured
         props_file.write_text(self._properties(port, controller_port))
-        log4j = self.data_dir / "log4j2.properties"
-        log4j.write_text(LOG4J2.format(log=self.data_dir / "kafka-server.log"))
-        java = [shutil.which("java"), f"-Dlog4j2.configurationFile={log4j}", "-cp", cp]
+        java = java_command(cp, self.data_dir)
         if not formatted:
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             progress(f"formatting storage in {self.data_dir / 'logs'}")
             self._write_format_record()  # first: a format cut short is redone at the next start
-            fmt = subprocess.run(
-                [*java, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(props_file)]
-                + (self._scram_args() if self.secured else []),
-                capture_output=True,
-                text=True,
-            )
+            fmt = format_storage(java, new_cluster_id(), props_file, self._scram_args() if self.secured else [])
+            out, _ = fmt.communicate()
             if fmt.returncode != 0:
-                raise BrokerError(f"formatting Kafka storage failed:\n{(fmt.stdout + fmt.stderr)[-2000:]}")
-        heap = f"{self.cfg.heap_mb}m"
-        jvm = [
-            f"-Xms{min(256, self.cfg.heap_mb)}m",
-            f"-Xmx{heap}",
-            "-XX:+UseG1GC",
-            "-XX:MaxGCPauseMillis=20",
-            "-XX:+ExitOnOutOfMemoryError",
-            "-Djava.awt.headless=true",
-        ]
-        with open(self.logfile, "ab") as out:
-            proc = subprocess.Popen(
-                [java[0], *jvm, *java[1:], "kafka.Kafka", str(props_file)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # not killed by the terminal's Ctrl-C; stopped by PID
-            )
+                raise BrokerError(f"formatting Kafka storage failed:\n{out[-2000:]}")
+        proc = spawn_broker(java, self.cfg.heap_mb, props_file, self.logfile)
         self.pidfile.write_text(str(proc.pid))
         if owned:
-            self._watch = self._start_watch(proc.pid)
+            self._watch = start_watch(proc.pid, self.logfile)
         state = {
             "pid": proc.pid,
             "port": port,
@@ -259,37 +211,9 @@ class LocalBroker(BrokerSecurity):
         progress(f"broker running: pid {proc.pid} at {state['bootstrap']}{secured} (started in {state['start_s']}s)")
         return state
 
-    def _start_watch(self, pid: int) -> subprocess.Popen | None:
-        """A process that stops broker ``pid`` once this one is gone (``rlstream.broker_watch``):
-        it waits on pidfds of both, opened here, so no reused PID can mislead it."""
-        if not hasattr(os, "pidfd_open"):
-            log.warning("no pidfd_open here: this broker would outlive a killed owner %s", kv(pid=pid))
-            return None
-        fds = (os.pidfd_open(os.getpid()), os.pidfd_open(pid))
-        try:
-            with open(self.logfile, "ab") as out:
-                return subprocess.Popen(
-                    [sys.executable, "-m", "rlstream.broker_watch", *map(str, fds), str(WATCH_GRACE_S)],
-                    pass_fds=fds,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-        finally:
-            for fd in fds:
-                os.close(fd)
-
     def _reap_watch(self, timeout: float = 10.0) -> None:
-        """The broker is gone, so its watcher exits: collect it (no zombie in a long-lived owner)."""
-        if self._watch is not None:
-            try:
-                self._watch.wait(timeout)
-            except subprocess.TimeoutExpired:  # should not happen: it exits with the broker
-                log.warning("broker watcher still running; killing it %s", kv(pid=self._watch.pid))
-                self._watch.kill()
-                self._watch.wait()
-            self._watch = None
+        reap_watch(self._watch, timeout)
+        self._watch = None
 
     def _previous_port(self) -> int | None:
         """With broker.port = 0, a restart reuses the last port if free, so clients reconnect."""
@@ -301,17 +225,7 @@ class LocalBroker(BrokerSecurity):
 
     def _ready(self, port: int) -> bool:
         """The broker answers a metadata request (as admin over SASL_SSL when secured)."""
-        if not port_open(self.cfg.host, port, timeout=0.2):
-            return False
-        from pipeline.admin import Admin
-
-        try:
-            Admin(
-                {"bootstrap.servers": f"{self.cfg.host}:{port}", **self.client_conf("admin")}, timeout=2
-            ).list_topics()
-            return True
-        except Exception:  # not ready yet
-            return False
+        return metadata_brokers(self.cfg.host, port, self.client_conf("admin")) > 0
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self, timeout: float = 30.0, progress=print) -> bool:
@@ -333,21 +247,7 @@ class LocalBroker(BrokerSecurity):
         return True
 
     def _kill(self, pid: int, timeout: float = 30.0) -> None:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while pid_alive(pid) and time.monotonic() < deadline:
-            _reap(pid)
-            time.sleep(0.1)
-        if pid_alive(pid):
-            log.warning("broker did not stop on SIGTERM; sending SIGKILL %s", kv(pid=pid))
-            os.kill(pid, signal.SIGKILL)
-            while pid_alive(pid):
-                _reap(pid)
-                time.sleep(0.05)
-        _reap(pid)
+        kill_pids([pid], timeout)
 
     def _cleanup(self) -> None:
         self.pidfile.unlink(missing_ok=True)
@@ -359,6 +259,169 @@ class LocalBroker(BrokerSecurity):
             if f.is_file():
                 text += "".join(f.read_text(errors="replace").splitlines(keepends=True)[-lines:])
         return text
+
+
+def server_properties(
+    host: str,
+    node_id: int,
+    port: int,
+    controller_port: int,
+    voters: str,
+    log_dir: Path,
+    nodes: int,
+    listener: str = "PLAINTEXT",
+) -> dict[str, str]:
+    """The built-in server.properties of KRaft combined-mode node ``node_id`` of a cluster of
+    ``nodes`` (``voters``: ``controller.quorum.voters``). Replication of the internal topics and
+    the defaults of new topics: min(3, nodes) replicas, min.insync.replicas min(2, nodes)."""
+    rf, isr = str(min(3, nodes)), str(min(2, nodes))
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": str(node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"{listener}://{host}:{port},CONTROLLER://{host}:{controller_port}",
+        "advertised.listeners": f"{listener}://{host}:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": listener,
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "log.dirs": str(log_dir),
+        "num.partitions": "1",
+        "default.replication.factor": rf,
+        "min.insync.replicas": isr,
+        "offsets.topic.replication.factor": rf,
+        "offsets.topic.num.partitions": "1",
+        "transaction.state.log.replication.factor": rf,
+        "transaction.state.log.min.isr": isr,
+        "transaction.state.log.num.partitions": "1",
+        "share.coordinator.state.topic.replication.factor": rf,
+        "share.coordinator.state.topic.min.isr": isr,
+        "group.initial.rebalance.delay.ms": "0",
+        "message.max.bytes": str(16 * 1024 * 1024),
+        "replica.fetch.max.bytes": str(16 * 1024 * 1024),
+        "num.network.threads": "2",
+        "num.io.threads": "4",
+        "num.recovery.threads.per.data.dir": "1",
+        "log.segment.bytes": str(256 * 1024 * 1024),
+        "auto.create.topics.enable": "false",
+        "delete.topic.enable": "true",
+        "transaction.abort.timed.out.transaction.cleanup.interval.ms": "5000",
+        "transaction.remove.expired.transaction.cleanup.interval.ms": "60000",
+    }
+    if nodes > 1:
+        props["unclean.leader.election.enable"] = "false"
+    return props
+
+
+def new_cluster_id() -> str:
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def java_command(cp: str, node_dir: Path) -> list[str]:
+    """``java`` with the classpath and a log4j2 config that logs to ``node_dir/kafka-server.log``."""
+    log4j = node_dir / "log4j2.properties"
+    log4j.write_text(LOG4J2.format(log=node_dir / "kafka-server.log"))
+    return [shutil.which("java"), f"-Dlog4j2.configurationFile={log4j}", "-cp", cp]
+
+
+def format_storage(java: list[str], cluster_id: str, props_file: Path, extra: list[str]) -> subprocess.Popen:
+    """Start formatting the storage of ``props_file`` (wait with ``communicate()``: text output)."""
+    return subprocess.Popen(
+        [*java, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(props_file), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def spawn_broker(java: list[str], heap_mb: int, props_file: Path, logfile: Path) -> subprocess.Popen:
+    """Start a Kafka JVM on ``props_file`` in its own session, its output appended to ``logfile``."""
+    jvm = [
+        f"-Xms{min(256, heap_mb)}m",
+        f"-Xmx{heap_mb}m",
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:+ExitOnOutOfMemoryError",
+        "-Djava.awt.headless=true",
+    ]
+    with open(logfile, "ab") as out:
+        return subprocess.Popen(
+            [java[0], *jvm, *java[1:], "kafka.Kafka", str(props_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # not killed by the terminal's Ctrl-C; stopped by PID
+        )
+
+
+def metadata_brokers(host: str, port: int, conf: dict[str, str]) -> int:
+    """How many brokers the node at ``host:port`` reports in a metadata answer; 0 if it does not
+    answer (yet)."""
+    if not port_open(host, port, timeout=0.2):
+        return 0
+    from pipeline.admin import Admin
+
+    try:
+        return Admin({"bootstrap.servers": f"{host}:{port}", **conf}, timeout=2).broker_count()
+    except Exception:  # not ready yet
+        return 0
+
+
+def start_watch(pid: int, logfile: Path) -> subprocess.Popen | None:
+    """A process that stops broker ``pid`` once this one is gone (``rlstream.broker_watch``):
+    it waits on pidfds of both, opened here, so no reused PID can mislead it."""
+    if not hasattr(os, "pidfd_open"):
+        log.warning("no pidfd_open here: this broker would outlive a killed owner %s", kv(pid=pid))
+        return None
+    fds = (os.pidfd_open(os.getpid()), os.pidfd_open(pid))
+    try:
+        with open(logfile, "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "rlstream.broker_watch", *map(str, fds), str(WATCH_GRACE_S)],
+                pass_fds=fds,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def reap_watch(watch: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """The broker is gone, so its watcher exits: collect it (no zombie in a long-lived owner)."""
+    if watch is not None:
+        try:
+            watch.wait(timeout)
+        except subprocess.TimeoutExpired:  # should not happen: it exits with the broker
+            log.warning("broker watcher still running; killing it %s", kv(pid=watch.pid))
+            watch.kill()
+            watch.wait()
+
+
+def kill_pids(pids: list[int], timeout: float = 30.0) -> None:
+    """SIGTERM every process of ``pids`` at once (SIGCONT first: a paused one could not stop),
+    SIGKILL those still running after ``timeout``; reap our own children."""
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+        for pid in pids:
+            _reap(pid)
+        time.sleep(0.1)
+    for pid in filter(pid_alive, pids):
+        log.warning("broker did not stop on SIGTERM; sending SIGKILL %s", kv(pid=pid))
+        os.kill(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            _reap(pid)
+            time.sleep(0.05)
+    for pid in pids:
+        _reap(pid)
 
 
 def _reap(pid: int) -> None:

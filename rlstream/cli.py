@@ -61,16 +61,23 @@ def run_cli() -> None:
 
 
 # ---- broker ---------------------------------------------------------------------------------
-def _broker(config, set_):
-    from rlstream.broker import LocalBroker
+def _broker(config, set_, nodes: int | None = None):
+    from rlstream.broker_cluster import local_broker
 
-    return LocalBroker(load(config, set_, resolve=False).broker)
+    if nodes is not None:
+        set_ = [*(set_ or []), f"broker.nodes={nodes}"]  # validated like the key
+    return local_broker(load(config, set_, resolve=False).broker, nodes)
 
 
 @broker_app.command("start")
-def broker_start(config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Start the local KRaft broker (downloads Kafka's jars with Maven on first use)."""
-    print(_broker(config, set_).start(progress=console.print)["bootstrap"])
+def broker_start(
+    nodes: int = typer.Option(None, "--nodes", help="Kafka nodes (overrides broker.nodes); 3: a local cluster."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Start the local KRaft broker, or a local cluster with --nodes N (downloads Kafka's jars with
+    Maven on first use). Prints the bootstrap address(es)."""
+    print(_broker(config, set_, nodes).start(progress=console.print)["bootstrap"])
 
 
 @broker_app.command("stop")
@@ -97,7 +104,7 @@ def broker_logs(lines: int = typer.Option(50, "--lines", "-n"), config: ConfigOp
 def kafka_tool(
     ctx: typer.Context,
     name: str = typer.Argument(
-        help="consumer-groups | topics | console-consumer | get-offsets | transactions | log-dirs | acls | configs"
+        help="consumer-groups | topics | console-consumer | get-offsets | transactions | log-dirs | acls | configs | features"
     ),
     config: ConfigOpt = None,
     set_: SetOpt = None,

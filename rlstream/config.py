@@ -51,6 +51,12 @@ class BrokerConfig(StrictModel):
     """JVM heap of the local broker."""
     start_timeout_s: float = Field(120.0, gt=0)
     """How long `broker start` waits for the broker to accept connections."""
+    nodes: int = Field(1, ge=1, le=9)
+    """Kafka nodes of the local broker (``rlstream broker start --nodes N``). 1: one combined-mode
+    node in ``data_dir``. Above 1: a local cluster of N combined-mode (broker + controller) nodes
+    in ``data_dir/node-<i>``, internal topics and new topics with min(3, N) replicas and
+    ``min.insync.replicas`` min(2, N): for fault tests (kill, pause, restart one node), not
+    production (docs/operations.md). ``security = "sasl_ssl"`` needs 1."""
     properties: dict[str, str] = Field(default_factory=dict)
     """Extra server.properties entries, overriding the built-in ones."""
     security: Literal["plaintext", "sasl_ssl"] = "plaintext"
@@ -74,6 +80,8 @@ class BrokerConfig(StrictModel):
                 raise ValueError(
                     f"broker.users.{name}: the password must be 8-256 characters without ',', '\"', '\\' or whitespace"
                 )
+        if self.security == "sasl_ssl" and self.nodes > 1:
+            raise ValueError('broker.security = "sasl_ssl" works with broker.nodes = 1 only (for now)')
         if self.security == "sasl_ssl" and "admin" not in self.users:
             raise ValueError('broker.security = "sasl_ssl" needs broker.users.admin (the super user)')
         return self

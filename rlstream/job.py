@@ -136,9 +136,9 @@ def kafka_for(cfg, keep_broker: bool, say):
     if cfg.kafka.bootstrap_servers:
         yield cfg.kafka.bootstrap_servers
         return
-    from rlstream.broker import LocalBroker
+    from rlstream.broker_cluster import local_broker
 
-    broker = LocalBroker(cfg.broker)
+    broker = local_broker(cfg.broker)
     started_here = broker.state() is None
     state = broker.start(progress=say, owned=not keep_broker)
     try:

@@ -24,6 +24,7 @@ KAFKA_TOOLS = {
     "log-dirs": "org.apache.kafka.tools.LogDirsCommand",
     "acls": "org.apache.kafka.tools.AclCommand",
     "configs": "kafka.admin.ConfigCommand",
+    "features": "org.apache.kafka.tools.FeatureCommand",
 }
 _CONFIG_FLAGS = {"console-consumer": "--consumer.config"}
 """The option that names a client properties file, where it is not ``--command-config``."""

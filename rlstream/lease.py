@@ -166,7 +166,9 @@ def ensure_lease_topic(cfg) -> str:
     """Create the job's lease topic (``topics.lease``) if it is missing; returns its name."""
     admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
     try:
-        admin.create_topics({cfg.topics.name("lease"): cfg.topics.lease}, cfg.topics.replication_factor)
+        admin.create_topics(
+            {cfg.topics.name("lease"): cfg.topics.lease}, cfg.topics.replication_factor, cfg.topics.min_insync_replicas
+        )
     finally:
         admin.close()
     return cfg.topics.name("lease")

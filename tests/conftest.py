@@ -14,6 +14,15 @@ import pytest
 from tests.kafka_fixture import kafka_broker
 
 REPO = Path(__file__).resolve().parents[1]
+_NODES = int(os.environ.get("KAFKA_NODES", "1"))
+CLUSTER_TOPICS = (
+    {"topics.replication_factor": str(min(3, _NODES)), "topics.min_insync_replicas": str(min(2, _NODES))}
+    if _NODES > 1 and not os.environ.get("KAFKA_BOOTSTRAP")
+    else {}
+)
+"""On the local cluster of ``KAFKA_NODES`` > 1 (tests/kafka_fixture.py), topics are replicated
+like the cluster's own (a topic with fewer replicas than the broker's min.insync.replicas refuses
+acks=all writes); a test's own ``--set`` wins."""
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +55,7 @@ def make_config(kafka_bootstrap, topic_prefix, tmp_path):
                 f"kafka.bootstrap_servers={kafka_bootstrap}",
                 f"topics.prefix={topic_prefix}",
                 f"run_dir={tmp_path / 'runs'}",
+                *(f"{k}={v}" for k, v in CLUSTER_TOPICS.items()),
                 *overrides,
             ],
             environ={},
@@ -67,6 +77,7 @@ def cli_env(kafka_bootstrap, topic_prefix, tmp_path) -> dict[str, str]:
         RLSTREAM_RUN_DIR=str(tmp_path / "runs"),
         RLSTREAM_HOME=str(tmp_path / "home"),
         PYTHONUNBUFFERED="1",
+        **{"RLSTREAM_" + k.upper().replace(".", "__"): v for k, v in CLUSTER_TOPICS.items()},
     )
     return env
 

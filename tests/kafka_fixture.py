@@ -1,6 +1,6 @@
 """Where the test session's Kafka broker comes from: ``KAFKA_BOOTSTRAP`` if set, else
 testcontainers if a Docker engine answers, else the local KRaft broker (started and stopped
-by the session, in a temporary directory)."""
+by the session, in a temporary directory; ``KAFKA_NODES=3``: a local three-node cluster)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ def kafka_broker() -> Iterator[tuple[str, str]]:
         with KafkaContainer("apache/kafka:4.1.1").with_kraft() as kc:
             yield kc.get_bootstrap_server(), "testcontainers"
         return
-    from rlstream.broker import LocalBroker
+    from rlstream.broker_cluster import local_broker
     from rlstream.config import BrokerConfig
 
     data = tempfile.mkdtemp(prefix="rlstream-test-broker-")
-    broker = LocalBroker(BrokerConfig(port=0, data_dir=data, heap_mb=512))
+    nodes = int(os.environ.get("KAFKA_NODES", "1"))
+    broker = local_broker(BrokerConfig(port=0, data_dir=data, heap_mb=512 if nodes == 1 else 384, nodes=nodes))
     try:
         state = broker.start(progress=lambda m: print(f"[kafka fixture] {m}"), owned=True)
         yield state["bootstrap"], "local broker"
