@@ -89,8 +89,15 @@ class LocalCluster:
     def client_conf(self, user: str = "admin", password: str | None = None) -> dict[str, str]:
         return {}  # plaintext only
 
+    def _recorded_state(self) -> dict | None:
+        """The state file as written, whether or not node 1 (whose pid ``state`` checks) runs."""
+        try:
+            return json.loads(self.statefile.read_text())
+        except (OSError, ValueError):
+            return None
+
     def _node_state(self, node: int) -> dict:
-        s = self.state()
+        s = self._recorded_state()  # not ``state``: node 1 may be the one down
         if not s:
             raise BrokerError(f"no local cluster runs in {self.data_dir}")
         if not 1 <= node <= len(s["nodes"]):
@@ -152,6 +159,11 @@ class LocalCluster:
         if running:
             progress(f"cluster already running: {len(running['nodes'])} nodes at {running['bootstrap']}")
             return running
+        recorded = self._recorded_state()
+        if recorded and any(pid_alive(int(n["pid"])) for n in recorded.get("nodes", [])):
+            self._owned = self._owned or owned  # node 1 is down, others run: start the ones down
+            self.revive(progress)
+            return self._recorded_state()
         java_version()
         cp = classpath(progress)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -269,7 +281,7 @@ class LocalCluster:
         proc = spawn_broker(java, self.cfg.heap_mb, self.node_dir(node) / "server.properties", self.logfile(node))
         if self._owned:
             self._watches[node] = start_watch(proc.pid, self.logfile(node))
-        state = self.state()
+        state = self._recorded_state()
         state["nodes"][node - 1]["pid"] = proc.pid
         if node == 1:
             state["pid"] = proc.pid
@@ -289,9 +301,24 @@ class LocalCluster:
         """The node that leads ``partition`` of ``topic`` (-1 while none does)."""
         return self._admin().partition_leaders(topic)[partition]
 
+    def leaders(self, topic: str) -> dict[int, int]:
+        """partition -> the node that leads it (-1 while none does)."""
+        return self._admin().partition_leaders(topic)
+
     def group_coordinator(self, group: str) -> int:
         """The node that coordinates consumer group ``group``."""
         return self._admin().group_coordinator(group)
+
+    def revive(self, progress=print) -> list[int]:
+        """Start every node that is down (after faults); returns those started."""
+        s = self._recorded_state()
+        if not s:
+            self.start(progress=progress, owned=self._owned)
+            return list(range(1, self.nodes + 1))
+        down = [n["node"] for n in s["nodes"] if not pid_alive(int(n["pid"]))]
+        for node in down:
+            self.start_node(node, progress=progress)
+        return down
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self, timeout: float = 30.0, progress=print) -> bool:

@@ -289,3 +289,21 @@ def test_tiny_fault_run_passes(tmp_path):
     avail = report["availability"]  # printed above the verdict line; figures, not targets
     assert lines[-2].startswith("availability: ettr=") and 0 < avail["ettr"] <= 1, (lines[-2:], avail)
     assert len(avail["trainer_kill_to_step_s"]) == done["trainer_kills"], avail
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_a_cluster_plan_kills_every_node_pauses_one_and_rolls(size):
+    """--nodes 3: every node SIGKILLed at least once (one of them down for minutes at full size), a
+    pause and a rolling restart, at most one broker fault per segment of the chaos phase."""
+    import random
+
+    from rlstream.dev.chaos import ChaosOptions, plan_faults
+
+    p = ChaosOptions(size=size, nodes=3).plan(8)
+    broker = [f for f in plan_faults(p, random.Random(0), p["duration_s"]) if f.kind == "broker"]
+    targets = [f.target for f in broker]
+    assert {t for t in targets if t.startswith("kill:")} == {"kill:1", "kill:2", "kill:3"}
+    assert sum(t.startswith("pause:") for t in targets) == 1 and targets.count("rolling") == 1
+    assert max(f.arg for f in broker if f.target.startswith("kill:")) == p["long_down_s"]
+    assert len(broker) == p["broker_restarts"]
+    assert ChaosOptions(size=size).plan(8)["broker_restarts"] == {"tiny": 1, "full": 2}[size]  # one broker: as before

@@ -237,3 +237,25 @@ def test_a_second_instance_with_the_same_transactional_id_fences_the_first(stage
         fresh.close_producer(False)
     assert fresh_events.committed == [N]
     assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
+
+
+def test_which_fatal_errors_a_new_producer_recovers_from():
+    """A fencing (another live instance owns the transactional id) and a refusal of the principal end
+    the stage; other fatal errors (seen: an abort answered INVALID_TXN_STATE after the transaction
+    coordinator moved to another broker) are recovered in-process by a new producer; a timeout is an
+    unknown outcome (a new epoch, never a retry in the same one)."""
+    from confluent_kafka import KafkaError
+
+    from pipeline.errors import KafkaClientError
+    from pipeline.kafka.common import recoverable_fatal, uncertain
+
+    def err(code, **kw):
+        return KafkaClientError("x", KafkaError(code, "x", **kw))
+
+    assert recoverable_fatal(err(KafkaError.INVALID_TXN_STATE, fatal=True))
+    assert not recoverable_fatal(err(KafkaError.INVALID_TXN_STATE))  # not fatal: an abort does
+    for code in (KafkaError.PRODUCER_FENCED, KafkaError._FENCED, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED):
+        assert not recoverable_fatal(err(code, fatal=True))
+    assert uncertain(err(KafkaError._TIMED_OUT, retriable=True))
+    assert not uncertain(err(KafkaError._TIMED_OUT, txn_requires_abort=True))
+    assert not uncertain(err(KafkaError.COORDINATOR_NOT_AVAILABLE, retriable=True))

@@ -251,6 +251,24 @@ def uncertain(exc: BaseException) -> bool:
     return ke is not None and ke.code() in _TIMEOUT_CODES and not ke.fatal() and not ke.txn_requires_abort()
 
 
+_FENCED_CODES = frozenset({KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError._FENCED})
+
+
+def recoverable_fatal(exc: BaseException) -> bool:
+    """``exc`` is a fatal error of a transactional producer that a new producer with the same
+    transactional id recovers from, in-process (what a restart would do): not a fencing (another
+    live instance owns the id: this one must exit) and not a refusal of the principal. Seen after a
+    transaction coordinator moved (a broker of a cluster killed): an abort answered with a fatal
+    INVALID_TXN_STATE."""
+    ke = getattr(exc, "kafka_error", None)
+    if ke is None or not ke.fatal():
+        return False
+    codes = {ke.code()}
+    if "fenced" in (ke.str() or "").lower():
+        codes.add(KafkaError._FENCED)
+    return not codes & (_FENCED_CODES | _AUTHZ_CODES)
+
+
 def _bounded(fn, args: tuple, timeout: float, what: str):
     """``fn(*args)`` in a daemon thread; WedgedClient if it has not returned after ``timeout``."""
     box: dict = {}

@@ -21,7 +21,10 @@ output (``produce_record`` / ``produce``, into the open transaction). The loop o
   which fences every request of the old one, and completes or aborts the old transaction on the
   coordinator; ``rewound`` then seeks to the group's committed offsets (read_committed, so they
   say which way it went): nothing lost, nothing written twice, as KIP-890's client side proposes.
-  A fatal error (fenced) is raised: the stage exits, a restart with the same id recovers;
+  A fatal error that is not a fencing (``recoverable_fatal``: e.g. an abort answered INVALID_TXN_STATE
+  after the transaction coordinator moved) is handled the same way, within a budget
+  (``MAX_REPLACEMENTS`` in ``REPLACE_WINDOW_S``). A fencing is raised: another instance owns the id,
+  the stage exits;
 * bounded budgets: every transaction call is bounded by the wrapper (``Producer.TXN_GRACE_S``) and,
   behind it, by the watchdog sections the stage passes in (``section``: ``transaction``,
   ``send_offsets_to_transaction``, ``commit_transaction``, ``abort_transaction``,
@@ -48,13 +51,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import KafkaClientError
-from pipeline.kafka.common import next_offsets, uncertain
+from pipeline.kafka.common import next_offsets, recoverable_fatal, uncertain
 from pipeline.kafka.consumer import Consumer
 from pipeline.kafka.producer import Producer
 from pipeline.log import kv
 
 log = logging.getLogger(__name__)
 
+MAX_REPLACEMENTS, REPLACE_WINDOW_S = 5, 600.0
+"""More producer replacements than this within the window: raise (a restart is due)."""
 COMMIT_ATTEMPTS = 10
 """Attempts of ``commit_transaction`` on a retriable error before the transaction is aborted."""
 
@@ -128,6 +133,7 @@ class ExactlyOnceLoop:
         txn_timeout_s = int(producer_conf.get("transaction.timeout.ms", 60_000)) / 1000
         self.init_s = max(60.0, txn_timeout_s + 30)
         self.producer: Producer | None = None
+        self._replaced_at: list[float] = []
         self.in_txn = False
         """A transaction is open (begun, not yet committed or aborted)."""
         self._txn: _Txn | None = None
@@ -147,11 +153,21 @@ class ExactlyOnceLoop:
         self._retry(lambda: producer.init_transactions(self.init_s), "init_transactions")
 
     def _replace_producer(self, exc: Exception) -> None:
-        """A transaction call timed out or librdkafka blocked in it for good (after a broker restart):
-        park that client and start a new producer with the same transactional id, in this process (no
+        """A transaction call timed out or librdkafka blocked in it for good (after a broker restart),
+        or the producer failed fatally without being fenced (``recoverable_fatal``): park that client and start a new producer with the same transactional id, in this process (no
         restart, no rebalance). Its init_transactions bumps the epoch, fencing whatever the old one
         still has in flight, and completes or aborts the old transaction. The caller rewinds."""
-        log.warning("transaction outcome unknown; replacing the producer %s", kv(worker_id=self.worker_id, error=exc))
+        now = time.monotonic()
+        self._replaced_at = [t for t in self._replaced_at if now - t < REPLACE_WINDOW_S] + [now]
+        if len(self._replaced_at) > MAX_REPLACEMENTS:
+            raise RuntimeError(
+                f"replaced the transactional producer {len(self._replaced_at)} times in {REPLACE_WINDOW_S:.0f} s "
+                f"(last: {exc}): exiting so that a restart starts clean"
+            ) from exc
+        log.warning(
+            "transaction outcome unknown or producer unusable; replacing the producer %s",
+            kv(worker_id=self.worker_id, error=exc),
+        )
         self._hooks["replaced"](exc)
         self.in_txn = False
         old, self.producer = self.producer, None
@@ -262,7 +278,7 @@ class ExactlyOnceLoop:
             self._hooks["committed"](txn.result, (time.perf_counter() - txn.t0) * 1000)
             log.debug("transaction committed %s", kv(worker_id=self.worker_id, batch=len(txn.batch)))
             return
-        unknown = uncertain(exc)
+        unknown = uncertain(exc) or recoverable_fatal(exc)
         if unknown:
             self._replace_producer(exc)
             why = "producer replaced"
@@ -275,7 +291,8 @@ class ExactlyOnceLoop:
 
     def _abort(self, exc: Exception) -> bool:
         """Abort the failed transaction. An abort that times out (or wedges) has an unknown outcome
-        too: the producer is replaced instead, and True returned (rewind from committed offsets)."""
+        too, and a fatal one that is not a fencing leaves an unusable producer: either way the
+        producer is replaced instead, and True returned (rewind from committed offsets)."""
         deadline = time.monotonic() + self.outage_s
         while True:  # a broker outage can make the abort itself fail for a while: ride it out
             try:
@@ -283,7 +300,7 @@ class ExactlyOnceLoop:
                     self.producer.abort_transaction(self.request_timeout_s)
                 break
             except KafkaClientError as abort_exc:
-                if uncertain(abort_exc):
+                if uncertain(abort_exc) or recoverable_fatal(abort_exc):
                     self._replace_producer(abort_exc)
                     return True
                 if abort_exc.fatal or not abort_exc.retriable or time.monotonic() > deadline:

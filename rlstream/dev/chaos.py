@@ -31,7 +31,6 @@ import math
 import os
 import random
 import shutil
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from pipeline.log import kv, setup_logging
 from pipeline.topology import RunIdentity
 from rlstream.demo import TASK, demo_settings, write_task
 from rlstream.dev import chaos_audit
+from rlstream.dev.chaos_broker import BrokerOps, ClusterOps, cluster_faults
 from rlstream.launcher import Launcher, RoleSpec, standard_roles
 from rlstream.supervisor import RestartPolicy
 
@@ -57,6 +57,7 @@ SIZES = {
         "broker_restarts": 1,
         "joins": 1,
         "fuzz": 50,
+        "long_down_s": 30.0,
     },
     "full": {
         "groups": 1600,
@@ -67,6 +68,7 @@ SIZES = {
         "broker_restarts": 2,
         "joins": 2,
         "fuzz": 1000,
+        "long_down_s": 150.0,
     },
 }
 TASK_RECORDS = 10  # write_task's prompts; the feed cycles over them in epochs
@@ -98,17 +100,22 @@ class ChaosOptions:
     drain_s: float = 600.0
     warmup_s: float = 600.0
     keep_data: bool = False
+    nodes: int = 1
+    """Brokers of the local cluster (3: hard faults of each node instead of restarts of one broker)."""
 
     def plan(self, groups_per_step: int) -> dict:
         """The size's numbers with the overrides; ``groups`` rounded up to a multiple of G and of
         the task's 10 prompts (so ``max_steps`` trains exactly the fed groups)."""
         p = dict(SIZES[self.size])
-        p.update({k: v for k in p if (v := getattr(self, k)) is not None})
+        p.update({k: v for k in p if (v := getattr(self, k, None)) is not None})
         unit = math.lcm(groups_per_step, TASK_RECORDS)
         p["groups"] = max(unit, -(-p["groups"] // unit) * unit)
         p["kills"] = max(p["kills"], p["trainer_kills"] + p["feed_kills"])
+        p["nodes"] = self.nodes
         if self.bootstrap:
             p["broker_restarts"] = 0
+        elif self.nodes > 1:  # every node killed once (one for minutes), a pause, a rolling restart
+            p["broker_restarts"] = max(p["broker_restarts"], self.nodes) + 2
         return p
 
 
@@ -134,9 +141,13 @@ def plan_faults(p: dict, rng: random.Random, duration: float) -> list[Fault]:
     for _ in range(p["kills"] - p["trainer_kills"] - p["feed_kills"]):
         target = rng.choice(BASE_ROLES)
         faults.append(Fault(rng.uniform(0.05, 0.55 if target == "feed" else 0.9) * d, "kill", target))
-    for i in range(p["broker_restarts"]):  # one per segment, in its first half: never two at once
-        seg = 0.8 * d / p["broker_restarts"]
-        faults.append(Fault(0.1 * d + i * seg + rng.uniform(0, 0.5) * seg, "broker", arg=rng.uniform(10, 20)))
+    if p.get("nodes", 1) > 1:
+        broker = cluster_faults(p["nodes"], p["broker_restarts"] - 2, p["long_down_s"], rng)
+    else:
+        broker = [("", rng.uniform(10, 20)) for _ in range(p["broker_restarts"])]
+    for i, (target, down_s) in enumerate(broker):  # one per segment, in its first half: never two at once
+        seg = 0.8 * d / len(broker)
+        faults.append(Fault(0.1 * d + i * seg + rng.uniform(0, 0.5) * seg, "broker", target, arg=down_s))
     for j in range(p["joins"]):
         seg = 0.85 * d / p["joins"]
         t = 0.05 * d + j * seg + rng.uniform(0, 0.2) * seg
@@ -146,54 +157,6 @@ def plan_faults(p: dict, rng: random.Random, duration: float) -> list[Fault]:
     sizes = [p["fuzz"] // bursts + (1 if i < p["fuzz"] % bursts else 0) for i in range(bursts)]
     faults += [Fault(rng.uniform(0.02, 0.9) * d, "fuzz", arg=n) for n in sizes if n]
     return sorted(faults, key=lambda f: f.at)
-
-
-class BrokerOps:
-    """Restarts of our local broker, in a thread (the watch loop keeps supervising meanwhile)."""
-
-    def __init__(self, broker, say):
-        self.broker, self.say = broker, say
-        self.done: list[dict] = []
-        self._thread: threading.Thread | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def restart(self, down_s: float, t: float) -> None:
-        self._thread = threading.Thread(target=self._restart, args=(down_s, t), name="broker-restart", daemon=True)
-        self._thread.start()
-
-    def _restart(self, down_s: float, t: float) -> None:
-        rec = {"t": round(t, 1), "down_s": round(down_s, 1)}
-        t0 = time.monotonic()
-        try:
-            self.broker.stop(progress=self.say)
-            rec["stop_s"] = round(time.monotonic() - t0, 1)
-            time.sleep(down_s)
-            t1 = time.monotonic()
-            self.ensure_running()
-            rec["start_s"] = round(time.monotonic() - t1, 1)
-            rec["ok"] = True
-        except Exception as exc:  # reported; the audit then finds what the outage did
-            rec["error"] = f"{type(exc).__name__}: {exc}"
-            log.error("broker restart failed %s", kv(error=exc))
-        self.done.append(rec)
-
-    def ensure_running(self) -> None:
-        for attempt in range(3):
-            try:
-                self.broker.start(progress=self.say, owned=True)
-                return
-            except Exception as exc:
-                if attempt == 2:
-                    raise
-                log.warning("broker start failed; retrying %s", kv(error=exc))
-                time.sleep(5)
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
 
 class Chaos:
@@ -259,8 +222,8 @@ class Chaos:
             if self.broker_ops.broker is None:
                 return self._done(f, t, "skipped: --bootstrap (not our broker)")
             if not self.broker_ops.busy:
-                self.broker_ops.restart(f.arg, t)
-                return self._done(f, t, f"broker restart, {f.arg:.0f} s down")
+                self.broker_ops.restart(f.arg, t, f.target)
+                return self._done(f, t, f"broker {f.target or 'restart'}, {f.arg:.0f} s")
             f.at = t + 5
         elif f.kind == "join":
             for r in standard_roles(self.cfg, 1, 1):  # as the demo runs workers, under another name
@@ -349,6 +312,8 @@ def resolve(config_path, sets, run_dir: Path, run_id: str, bootstrap: str, p: di
         "trainer.max_steps": p["groups"] // g,
         "run_dir": str(run_dir),
         "kafka.bootstrap_servers": bootstrap,
+        # on a cluster: every topic on 3 replicas, an acks=all write needs 2 (one node may be down)
+        **({"topics.replication_factor": 3, "topics.min_insync_replicas": 2} if p.get("nodes", 1) > 2 else {}),
     }
     return validate(Config, merge(tree, settings_tree(own)))
 
@@ -359,7 +324,7 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
 
     from consumers.trainer.state import read_steps_log
     from pipeline.models import load_tokenizer, materialize
-    from rlstream.broker import LocalBroker
+    from rlstream.broker_cluster import local_broker
     from rlstream.config import BrokerConfig, load_config
     from rlstream.dev.fuzz import Injector
 
@@ -373,13 +338,19 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
     write_task(run_dir / "task.jsonl")
     p = opts.plan(base.rl.groups_per_step)
     rng = random.Random(opts.seed)
-    broker = None if opts.bootstrap else LocalBroker(BrokerConfig(port=0, data_dir=run_dir / "broker", heap_mb=512))
-    ops = BrokerOps(broker, lambda m: console.print(f"[chaos] {m}", highlight=False, markup=False))
+    bcfg = BrokerConfig(port=0, data_dir=run_dir / "broker", heap_mb=512, nodes=opts.nodes)
+    broker = None if opts.bootstrap else local_broker(bcfg)
+    say = lambda m: console.print(f"[chaos] {m}", highlight=False, markup=False)  # noqa: E731
+    ops = BrokerOps(broker, say)
     chaos = injector = None
     status, audit, steps = "failed: did not start", None, []
     try:
         bootstrap = opts.bootstrap or broker.start(progress=ops.say, owned=True)["bootstrap"]
         cfg = resolve(config_path, sets, run_dir, run_id, bootstrap, p)
+        if opts.nodes > 1 and broker is not None:  # what each killed node led or coordinated, in its record
+            topics = [cfg.topics.name(r) for r in ("prompts", "rollouts", "scored", "control")]
+            groups = [cfg.reward.group_id, cfg.rollout.group_id, cfg.trainer.group_id]
+            ops = ClusterOps(broker, say, topics, groups)
         p["groups_per_step"], p["max_steps"] = cfg.rl.groups_per_step, cfg.trainer.max_steps
         ops.say(f"run dir {run_dir}; plan {json.dumps(p)}")
         vocab = len(load_tokenizer(materialize(cfg.model)))
@@ -473,7 +444,13 @@ def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wa
         "plan": p,
         "run_dir": str(run_dir),
         "bootstrap": bootstrap,
-        "broker": "own local KRaft broker, restarted" if not opts.bootstrap else "--bootstrap: no broker restarts",
+        "broker": (
+            "--bootstrap: no broker restarts"
+            if opts.bootstrap
+            else f"own local KRaft cluster of {opts.nodes} nodes, hard faults"
+            if opts.nodes > 1
+            else "own local KRaft broker, restarted"
+        ),
         "phases": chaos.phases,
         "faults": {**faults, "broker_restarts": ops.done, "timeline": [asdict(f) for f in chaos.faults]},
         "supervision": sup,

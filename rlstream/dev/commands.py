@@ -27,6 +27,9 @@ def chaos(
     fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
     drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
     keep_data: bool = typer.Option(False, "--keep-data", help="Keep the broker's data in the run dir."),
+    nodes: int = typer.Option(
+        1, "--nodes", min=1, max=9, help="Brokers: 3 runs a local cluster and hard-kills, pauses and rolls its nodes."
+    ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -38,7 +41,7 @@ def chaos(
 
     sigterm_unwinds()
     opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
-                        broker_restarts, joins, fuzz, drain, keep_data=keep_data)  # fmt: skip
+                        broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes)  # fmt: skip
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 
