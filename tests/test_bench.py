@@ -22,6 +22,7 @@ def fraction(x) -> bool:
     return isinstance(x, int | float) and -1e-9 <= x <= 1 + 1e-9
 
 
+@pytest.mark.bench  # out of the default run (pyproject addopts): pytest -m bench
 def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs" / "benchmarks.md"
     docs.parent.mkdir()
