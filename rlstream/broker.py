@@ -70,7 +70,21 @@ def read_broker_state(data_dir: Path) -> dict | None:
     return state if any(map(pid_alive, pids)) else None
 
 
-class LocalBroker(BrokerSecurity):
+class RunningState:
+    """What a local broker or cluster in ``self.data_dir`` says of itself while it runs."""
+
+    data_dir: Path
+
+    def state(self) -> dict | None:
+        return read_broker_state(self.data_dir)
+
+    @property
+    def bootstrap(self) -> str | None:
+        s = self.state()
+        return s["bootstrap"] if s else None
+
+
+class LocalBroker(RunningState, BrokerSecurity):
     """Start, stop and inspect one local KRaft broker. ``cfg`` is a BrokerConfig."""
 
     def __init__(self, cfg):
@@ -92,14 +106,6 @@ class LocalBroker(BrokerSecurity):
         return self.cfg.security == "sasl_ssl"
 
     # -- status ------------------------------------------------------------------------------
-    def state(self) -> dict | None:
-        return read_broker_state(self.data_dir)
-
-    @property
-    def bootstrap(self) -> str | None:
-        s = self.state()
-        return s["bootstrap"] if s else None
-
     def client_conf(self, user: str = "admin", password: str | None = None) -> dict[str, str]:
         """librdkafka settings (for ``kafka.common``) of a client of this broker that is ``user``
         (password from ``broker.users`` unless given). Empty for a ``plaintext`` broker."""

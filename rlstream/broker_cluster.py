@@ -33,6 +33,7 @@ from pipeline.log import kv
 from pipeline.ports import free_port, pid_alive, port_open
 from rlstream.broker import (
     LocalBroker,
+    RunningState,
     format_storage,
     java_command,
     kill_pids,
@@ -51,7 +52,7 @@ FORMAT_FEATURES = ["--feature", "transaction.version=2"]
 """Features pinned when the storage is formatted (Kafka 4.x defaults to them; pinned all the same)."""
 
 
-class LocalCluster:
+class LocalCluster(RunningState):
     """Start, stop, inspect and break a local cluster of ``nodes`` KRaft nodes. ``cfg`` is a
     BrokerConfig (``nodes`` defaults to ``cfg.nodes``)."""
 
@@ -78,14 +79,6 @@ class LocalCluster:
         return self.node_dir(node) / "broker.log"
 
     # -- status ------------------------------------------------------------------------------
-    def state(self) -> dict | None:
-        return read_broker_state(self.data_dir)
-
-    @property
-    def bootstrap(self) -> str | None:
-        s = self.state()
-        return s["bootstrap"] if s else None
-
     def client_conf(self, user: str = "admin", password: str | None = None) -> dict[str, str]:
         return {}  # plaintext only
 
