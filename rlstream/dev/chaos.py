@@ -102,6 +102,9 @@ class ChaosOptions:
     keep_data: bool = False
     nodes: int = 1
     """Brokers of the local cluster (3: hard faults of each node instead of restarts of one broker)."""
+    unpaced: bool = False
+    """Feed as fast as admission allows (``feed.rate = 0``) instead of spreading the groups over the
+    chaos phase: for availability figures (ETTR) with a trainer-bound setup (sim engines)."""
 
     def plan(self, groups_per_step: int) -> dict:
         """The size's numbers with the overrides; ``groups`` rounded up to a multiple of G and of
@@ -111,7 +114,7 @@ class ChaosOptions:
         unit = math.lcm(groups_per_step, TASK_RECORDS)
         p["groups"] = max(unit, -(-p["groups"] // unit) * unit)
         p["kills"] = max(p["kills"], p["trainer_kills"] + p["feed_kills"])
-        p["nodes"] = self.nodes
+        p["nodes"], p["unpaced"] = self.nodes, self.unpaced
         if self.bootstrap:
             p["broker_restarts"] = 0
         elif self.nodes > 1:  # every node killed once (one for minutes), a pause, a rolling restart
@@ -308,7 +311,7 @@ def resolve(config_path, sets, run_dir: Path, run_id: str, bootstrap: str, p: di
         **RunIdentity.of_prefix(f"chaos-{run_id}.").settings(),  # topics, groups, transactional ids
         "feed.epochs": p["groups"] // TASK_RECORDS,  # the feed's total, also across its restarts
         "feed.limit": p["groups"],
-        "feed.rate": round(p["groups"] / feed_span, 4),
+        "feed.rate": 0 if p.get("unpaced") else round(p["groups"] / feed_span, 4),
         "trainer.max_steps": p["groups"] // g,
         "run_dir": str(run_dir),
         "kafka.bootstrap_servers": bootstrap,

@@ -30,6 +30,9 @@ def chaos(
     nodes: int = typer.Option(
         1, "--nodes", min=1, max=9, help="Brokers: 3 runs a local cluster and hard-kills, pauses and rolls its nodes."
     ),
+    unpaced: bool = typer.Option(
+        False, "--unpaced", help="Feed as fast as admission allows (availability runs: sim engines, ETTR)."
+    ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -41,7 +44,7 @@ def chaos(
 
     sigterm_unwinds()
     opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
-                        broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes)  # fmt: skip
+                        broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes, unpaced=unpaced)  # fmt: skip
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 
