@@ -259,3 +259,15 @@ def test_which_fatal_errors_a_new_producer_recovers_from():
     assert uncertain(err(KafkaError._TIMED_OUT, retriable=True))
     assert not uncertain(err(KafkaError._TIMED_OUT, txn_requires_abort=True))
     assert not uncertain(err(KafkaError.COORDINATOR_NOT_AVAILABLE, retriable=True))
+
+
+def test_a_retired_producer_is_not_a_wedged_client(kafka_bootstrap):
+    """A producer replaced after a timed-out or fatal transaction call is retired, not parked as
+    wedged: a parked client makes every later worker run on a process's main thread end that
+    process at its exit (``teardown_hazards``), which once ended a whole pytest session silently."""
+    from pipeline.kafka import Producer, wedged_clients
+
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    before = wedged_clients()
+    p.retire()
+    assert wedged_clients() == before and p.fatal and p.pending() == 0

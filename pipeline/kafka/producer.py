@@ -4,6 +4,7 @@ transaction calls bounded (``WedgedClient``). Part of the sealed Kafka wrapper (
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -221,14 +222,22 @@ class Producer:
         self._error = None
         return dropped
 
-    def park(self) -> None:
-        """Stop using this client for good without destroying it (destroying a client whose
-        transaction call timed out may block as well): kept referenced for the life of the process,
-        like a wedged one. Its requests still in flight are fenced by its successor's epoch."""
-        if self._client is not None:
-            _WEDGED.append(self._client)
-            self._client = None
+    def retire(self) -> None:
+        """Stop using this client for good and let it go on a daemon thread: its destruction (which
+        may block a while after a transaction call timed out) never holds up the caller, and at
+        exit nothing waits for it. Its requests still in flight are fenced by its successor's epoch.
+        Not a wedged client (``WedgedClient``): a process that retired one still ends normally."""
+        client, self._client = self._client, None
         self.fatal = True
+        if client is None:
+            return
+        held = [client]
+        del client
+
+        def let_go() -> None:
+            held.clear()  # the last reference: librdkafka's destroy runs on this thread
+
+        threading.Thread(target=let_go, name="kafka-retire", daemon=True).start()
 
     def abandon(self) -> None:
         """Release the client without flushing. Only for a producer whose open transaction is lost

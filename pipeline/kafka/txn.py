@@ -17,7 +17,7 @@ output (``produce_record`` / ``produce``, into the open transaction). The loop o
   out, or one librdkafka never returns from: ``WedgedClient``, librdkafka #5456) is never retried
   in the same producer epoch. librdkafka does not implement KIP-890 (#5423), so a request of that
   epoch still in flight could land after the transaction ended and open a "hanging" one (KAFKA-17754).
-  The producer is replaced in-process instead: the new one's ``init_transactions`` bumps the epoch,
+  The producer is retired and replaced in-process instead: the new one's ``init_transactions`` bumps the epoch,
   which fences every request of the old one, and completes or aborts the old transaction on the
   coordinator; ``rewound`` then seeks to the group's committed offsets (read_committed, so they
   say which way it went): nothing lost, nothing written twice, as KIP-890's client side proposes.
@@ -154,7 +154,7 @@ class ExactlyOnceLoop:
 
     def _replace_producer(self, exc: Exception) -> None:
         """A transaction call timed out or librdkafka blocked in it for good (after a broker restart),
-        or the producer failed fatally without being fenced (``recoverable_fatal``): park that client and start a new producer with the same transactional id, in this process (no
+        or the producer failed fatally without being fenced (``recoverable_fatal``): retire that client and start a new producer with the same transactional id, in this process (no
         restart, no rebalance). Its init_transactions bumps the epoch, fencing whatever the old one
         still has in flight, and completes or aborts the old transaction. The caller rewinds."""
         now = time.monotonic()
@@ -172,7 +172,7 @@ class ExactlyOnceLoop:
         self.in_txn = False
         old, self.producer = self.producer, None
         if old is not None:
-            old.park()  # never touched again: its requests are fenced by the new epoch
+            old.retire()  # never touched again: its requests are fenced by the new epoch
         with self._section("replace producer", self.outage_s + 60):
             self.start()
 
