@@ -112,6 +112,42 @@ def test_a_batch_commits_with_its_offsets(stage, overlap):
     assert committed_offset(cfg, group, src) == N  # the offsets committed inside the transactions
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_watchdog_allows_for_the_fault_injection_flush(stage, overlap):
+    """With the fault-injection delay each transaction flushes (bounded by the request timeout, which
+    a broker outage can use up) and sleeps inside the section the watchdog watches as "transaction":
+    that section must allow for both, or a broker restart longer than the loop's own limit got the
+    worker killed as hung (a CI failure of test_liveness's broker-restart test: exit 75 in the flush)."""
+    import contextlib
+
+    cfg, src, dst, group = stage
+    sections: list[tuple[str, float]] = []
+
+    @contextlib.contextmanager
+    def section(what, seconds):
+        sections.append((what, seconds))
+        yield
+
+    consumer, events = make_consumer(cfg, src, group), Events()
+    loop = ExactlyOnceLoop(
+        consumer, client_conf(cfg, "test", kind="producer"), f"{group}-tid",
+        request_timeout_s=10.0, watchdog_s=1.0, outage_s=10.0, overlap=overlap, section=section,
+        chaos_delay_s=0.2, **events.hooks(),
+    )  # fmt: skip
+    loop.start()
+    try:
+        batch = read_batch(consumer, N)
+        assert loop.write(batch, copy_into(loop, dst, batch))
+        loop.settle()
+    finally:
+        loop.close_committer(False)
+        consumer.close()
+        loop.close_producer(False)
+    assert events.committed == [N]
+    allowed = [s for what, s in sections if what == "transaction"]
+    assert allowed and min(allowed) >= 10.0 + 0.2, sections
+
+
 class AbortableFailure(KafkaClientError):
     def __init__(self):
         super().__init__("injected", KafkaError(KafkaError._FAIL, "injected", txn_requires_abort=True))

@@ -130,6 +130,9 @@ class ExactlyOnceLoop:
         # (Producer.TXN_GRACE_S: librdkafka #5456 can block send_offsets_to_transaction forever).
         self.call_s = request_timeout_s + 30
         self.commit_wait_s = self.call_s * (COMMIT_ATTEMPTS + 1)  # send_offsets, then the commit attempts
+        # The checkpoint inside a transaction: with the chaos delay it flushes (bounded by the request
+        # timeout, which a broker outage can use up) and sleeps, so the watchdog allows for both.
+        self.checkpoint_s = watchdog_s + (chaos_delay_s + request_timeout_s if chaos_delay_s else 0.0)
         txn_timeout_s = int(producer_conf.get("transaction.timeout.ms", 60_000)) / 1000
         self.init_s = max(60.0, txn_timeout_s + 30)
         self.producer: Producer | None = None
@@ -227,7 +230,7 @@ class ExactlyOnceLoop:
         inline, ``watch`` declares watchdog sections; on the commit thread it is a no-op (sections
         belong to the main thread, whose wait in ``settle`` is watched)."""
         try:
-            with watch("transaction", self.watchdog_s):
+            with watch("transaction", self.checkpoint_s):
                 self._txn_checkpoint(txn.batch)
         finally:
             txn.checkpointed.set()
@@ -264,8 +267,8 @@ class ExactlyOnceLoop:
         txn, self._txn = self._txn, None
         if txn is None:
             return
-        with self._section("transaction", self.watchdog_s):
-            txn.checkpointed.wait(self.chaos_delay_s + self.commit_wait_s)
+        with self._section("transaction", self.checkpoint_s):
+            txn.checkpointed.wait(self.checkpoint_s + self.commit_wait_s)
         with self._section("commit_transaction", self.commit_wait_s):
             try:
                 exc = txn.future.exception(self.commit_wait_s)
