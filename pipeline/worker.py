@@ -16,6 +16,10 @@ A role subclasses ``Worker`` and fills in ``setup()``, ``run_once()``, ``finish(
   was asked for, is hung: every thread's stack goes to the log and the process exits with
   ``EXIT_HUNG``. librdkafka can block forever inside a call whatever timeout it is given (seen in
   ``send_offsets_to_transaction`` after a broker restart); a restart is safe by design, waiting is not.
+  Python runs a signal handler only between bytecodes of the main thread, so a main thread inside a
+  long native call (a training step on a slow CPU, a stuck client) would never see a SIGTERM: the
+  watchdog learns of every signal itself, through ``signal.set_wakeup_fd``, and starts the stop
+  bound (and exits at once on a second signal) even while the main thread cannot run the handler.
 
 Signals and the watchdog are installed only when ``run`` is called on the main thread of a
 process (the command line); in-process uses (tests, benchmarks) pass a ``stop`` event instead.
@@ -89,8 +93,11 @@ def exit_without_teardown(code: int, why: str) -> None:
 class Watchdog:
     """Kills the process, loudly, when its main loop stops beating or a stop takes too long."""
 
-    def __init__(self, name: str, loop_s: float, shutdown_s: float):
+    def __init__(self, name: str, loop_s: float, shutdown_s: float, signals: socket.socket | None = None):
         self.name, self.loop_s, self.shutdown_s = name, loop_s, shutdown_s
+        self._signals = signals
+        """Read end of the signal wakeup socket (``signal.set_wakeup_fd``): one byte per signal."""
+        self._seen = 0
         self._deadline = time.monotonic() + loop_s
         self._what = "main loop"
         self._stop_deadline: float | None = None
@@ -122,8 +129,41 @@ class Watchdog:
     def close(self) -> None:
         self._done.set()
 
+    def _wait(self, timeout: float) -> bool:
+        """Sleep ``timeout`` (True once closed), taking note of the signals that arrive meanwhile."""
+        if self._signals is None:
+            return self._done.wait(timeout)
+        import select
+
+        if select.select([self._signals], [], [], timeout)[0]:
+            try:
+                data = self._signals.recv(64)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":  # the write end was closed (the run is over): plain waits from here
+                self._signals.close()
+                self._signals = None
+            for signum in data or b"":
+                self._signalled(signum)
+        return self._done.is_set()
+
+    def _signalled(self, signum: int) -> None:
+        if signum not in (signal.SIGTERM, signal.SIGINT):
+            return
+        self._seen += 1
+        name = signal.Signals(signum).name
+        if self._seen > 1:  # as the handler does on a second signal, for a main thread that cannot
+            log.warning("second %s seen by the watchdog: exiting now %s", name, kv(worker=self.name))
+            for h in logging.getLogger().handlers:
+                with contextlib.suppress(Exception):
+                    h.flush()
+            os._exit(128 + signum)
+        self.stopping()
+
     def _watch(self) -> None:
-        while not self._done.wait(0.5):
+        while not self._wait(0.5):
             now = time.monotonic()
             if self._stop_deadline is not None and now > self._stop_deadline:
                 self._die(f"still running {self.shutdown_s:.0f} s after it was asked to stop (in {self._what})")
@@ -202,10 +242,10 @@ class Worker:
         if stop is not None:
             self.stop_event = stop
         supervised = threading.current_thread() is threading.main_thread()
-        restore = self._install_signals() if supervised else (lambda: None)
+        restore, wakeup = self._install_signals() if supervised else ((lambda: None), None)
         if supervised:
             self.watchdog = Watchdog(
-                f"{self.role} {self.worker_id}", self.liveness.watchdog_s, self.liveness.shutdown_timeout_s
+                f"{self.role} {self.worker_id}", self.liveness.watchdog_s, self.liveness.shutdown_timeout_s, wakeup
             ).start()
         try:
             try:
@@ -271,7 +311,18 @@ class Worker:
             self.stop()
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        return lambda: [signal.signal(s, h) for s, h in old.items()]
+        read, write = socket.socketpair()
+        for sock in (read, write):
+            sock.setblocking(False)
+        old_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+
+        def restore():
+            signal.set_wakeup_fd(old_fd)
+            for s, h in old.items():
+                signal.signal(s, h)
+            write.close()  # the read end stays with the watchdog thread until the process ends
+
+        return restore, read
 
     # -- shared helpers ------------------------------------------------------------------------
     def startup_call(self, fn, what: str):

@@ -92,6 +92,27 @@ def test_a_stop_that_takes_too_long_is_cut_short_loudly():
     assert time.monotonic() - t0 < 30
 
 
+def test_a_stop_reaches_a_main_thread_stuck_in_a_native_call():
+    """Python runs a signal handler only between the main thread's bytecodes: a main thread inside a
+    long native call (here ~minutes of PBKDF2; seen: an emulated-bf16 training step on an AVX2 CPU,
+    whose trainer outlived its killed launcher) never ran it. The watchdog learns of the signal
+    itself (``signal.set_wakeup_fd``): the stop bound holds, and a second signal exits at once."""
+    stuck = "import hashlib; hashlib.pbkdf2_hmac('sha256', b'x', b'y', 2**31 - 1)"
+    for shutdown_s, signals, code, says in ((3, 1, 75, "asked to stop"), (3600, 2, 128 + signal.SIGTERM, "second SIGTERM")):
+        proc = start_probe(stuck, "pass", f"liveness.shutdown_timeout_s={shutdown_s}", "liveness.watchdog_s=3600")
+        try:
+            wait_ready(proc)
+            time.sleep(2)
+            for _ in range(signals):
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(1)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()  # the old code never exits by itself: do not leave it computing
+            proc.wait(30)
+        assert proc.returncode == code and says in out, out
+
+
 def test_supervisor_restarts_a_dead_child_and_stops_a_crash_loop(tmp_path):
     flag = tmp_path / "crashed-once"
     once = f"import pathlib, sys, time; p = pathlib.Path({str(flag)!r})\nif not p.exists(): p.touch(); sys.exit(3)\ntime.sleep(60)"
