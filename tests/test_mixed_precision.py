@@ -61,3 +61,18 @@ def test_deepspeed_bf16_tracks_the_float32_loss_curve():
     assert masters and {m.dtype for m in masters} == {torch.float32}
     assert {v.dtype for v in eng16.state_dict().values()} == {torch.float32}
     assert_tracks(bf16, fp32)
+
+
+def test_auto_dtype_is_bf16_only_where_the_device_computes_it_natively():
+    """``dtype = "auto"`` (trainer torch engine, hf rollout engine): bf16 on a CPU with AVX512-BF16
+    or AMX, float32 on an AVX2-only CPU, where emulated bf16 made a real-model step take 221 s."""
+    import torch
+
+    from consumers.trainer.config import TorchEngineConfig
+    from libs.engines.config import HFEngineConfig
+    from pipeline.models import resolve_dtype
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16" and resolve_dtype("float32", "cpu") == "float32"
+    assert TorchEngineConfig(dtype="auto").dtype == HFEngineConfig(dtype="auto").dtype == "auto"

@@ -25,9 +25,11 @@ class TorchEngineConfig(StrictModel):
     type: Literal["torch"] = "torch"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda (this rank's LOCAL_RANK) when available, else cpu."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Compute dtype. bfloat16: mixed precision, i.e. forward and backward under bf16 autocast while
-    the weights (the master copy), gradients and AdamW state stay float32; published weights are float32."""
+    the weights (the master copy), gradients and AdamW state stay float32; published weights are float32.
+    auto: bfloat16 where the device computes it natively (a GPU with bf16, a CPU with AVX512-BF16 or
+    AMX), else float32 (bf16 is emulated, several times slower, on an AVX2-only CPU)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, ~30% more compute)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -19,8 +19,9 @@ class HFEngineConfig(StrictModel):
     type: Literal["hf"] = "hf"
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     """torch device; ``auto`` = cuda if available, else cpu."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations dtype."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Weights and activations dtype. auto: bfloat16 where the device computes it natively (a GPU
+    with bf16, a CPU with AVX512-BF16 or AMX), else float32."""
     refill_every: int = Field(8, ge=1, le=4096)
     """Decode steps between re-batching (admitting waiting samples, dropping finished ones)."""
     seed: int = 0

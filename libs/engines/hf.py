@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from libs.engines.base import Engine, EngineContext, GenOutput, GenRequest
 from pipeline.checkpoint import iter_weights
 from pipeline.log import kv
-from pipeline.models import load_model
+from pipeline.models import load_model, resolve_dtype
 from pipeline.records import update_kind
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class HFEngine(Engine):
         self.device = torch.device(device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.model = load_model(model_dir, cfg.dtype, device).eval()
+        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.model = load_model(model_dir, self.dtype, device).eval()
         self._peft = None  # PeftApplier once an adapter was loaded
         self._dtypes = {k: v.dtype for k, v in self.model.state_dict().items()}  # full-weights staging
         self.refill_every = cfg.refill_every
@@ -75,6 +76,7 @@ class HFEngine(Engine):
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # (B, L) attention mask of the cache
         self.steps_since_refill = 0
+        log.info("hf engine ready %s", kv(device=self.device, dtype=self.dtype, requested=cfg.dtype))
 
     # -- interface -------------------------------------------------------------------------------
     def submit(self, req: GenRequest) -> None:

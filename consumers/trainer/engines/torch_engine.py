@@ -34,7 +34,7 @@ from consumers.trainer.engines.base import (
     untied,
 )
 from pipeline.log import kv
-from pipeline.models import load_model
+from pipeline.models import load_model, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class TorchEngine(TrainEngine):
         if ecfg.threads:
             torch.set_num_threads(ecfg.threads)
         torch.manual_seed(trainer_cfg.seed)
-        self.autocast = torch.bfloat16 if ecfg.dtype == "bfloat16" else None
+        self.dtype = resolve_dtype(ecfg.dtype, self.device)
+        self.autocast = torch.bfloat16 if self.dtype == "bfloat16" else None
         self.module = load_model(model_dir, dtype="float32", device=str(self.device))  # float32 masters
         self.model_config = self.module.config
         if ecfg.gradient_checkpointing:
@@ -77,7 +78,7 @@ class TorchEngine(TrainEngine):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, trainer_cfg.decay_steps()))
         log.info(
             "torch engine ready %s",
-            kv(device=self.device, world=self.world_size, dtype=ecfg.dtype, lora=self.lora is not None,
+            kv(device=self.device, world=self.world_size, dtype=self.dtype, lora=self.lora is not None,
                trainable=sum(p.numel() for p in self.params)),
         )  # fmt: skip
 

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.models import resolve_dtype
 from rlstream.dev.bench import learn
 from rlstream.dev.bench.harness import REPO, BenchContext, child_env, md_table, write_json
 
@@ -71,7 +72,7 @@ def trl_spec(ctx: BenchContext, name: str, sz: dict) -> dict:
         "betas": list(o.betas),
         "eps": o.eps,
         "weight_decay": o.weight_decay,
-        "bf16": getattr(t.engine, "dtype", "float32") == "bfloat16",
+        "bf16": resolve_dtype(getattr(t.engine, "dtype", "float32"), "cpu") == "bfloat16",
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "temperature": cfg.rollout.temperature,
         "eval_every": cfg.eval.every_versions,
