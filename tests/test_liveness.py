@@ -98,7 +98,10 @@ def test_a_stop_reaches_a_main_thread_stuck_in_a_native_call():
     whose trainer outlived its killed launcher) never ran it. The watchdog learns of the signal
     itself (``signal.set_wakeup_fd``): the stop bound holds, and a second signal exits at once."""
     stuck = "import hashlib; hashlib.pbkdf2_hmac('sha256', b'x', b'y', 2**31 - 1)"
-    for shutdown_s, signals, code, says in ((3, 1, 75, "asked to stop"), (3600, 2, 128 + signal.SIGTERM, "second SIGTERM")):
+    for shutdown_s, signals, code, says in (
+        (3, 1, 75, "asked to stop"),
+        (3600, 2, 128 + signal.SIGTERM, "second SIGTERM"),
+    ):
         proc = start_probe(stuck, "pass", f"liveness.shutdown_timeout_s={shutdown_s}", "liveness.watchdog_s=3600")
         try:
             wait_ready(proc)
