@@ -42,8 +42,13 @@ def main(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 def run_cli() -> None:
     """Console entry point: typed rlstream errors and user mistakes become one clear line, exit 2."""
+    import faulthandler
+
     from pipeline.worker import die_with_parent
 
+    # a crash in native code (a librdkafka segfault once took a chaos launcher down) leaves every
+    # thread's Python stack on stderr, i.e. in the role's log, not only "exited with code -11"
+    faulthandler.enable(all_threads=True)
     root["supervised"] = die_with_parent()
     try:
         app()

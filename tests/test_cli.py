@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from tests.conftest import REPO
+
 
 def test_help_does_not_import_torch():
     code = (
@@ -54,3 +56,21 @@ def test_demo_layers_the_config_file_and_set_over_its_own_settings(tmp_path, mon
     assert str(cfg.feed.source) == "/data/mine.jsonl"  # a config file can replace the task
     assert cfg.feed.limit == 9 * 3 + 200
     assert cfg.run_dir == run_dir and cfg.kafka.bootstrap_servers == "h:1" and cfg.topics.prefix == "demo-1."
+
+
+def test_a_crash_in_native_code_leaves_every_threads_stack():
+    """Every rlstream process enables faulthandler: a segfault in a native library (one in
+    librdkafka once ended a chaos launcher with nothing but its exit code) prints the Python stack of
+    every thread to stderr, which is the role's log under the supervisor."""
+    code = (
+        "import ctypes, sys, threading\n"
+        "from rlstream.cli import run_cli\n"
+        "sys.argv = ['rlstream', '--help']\n"
+        "try:\n    run_cli()\nexcept SystemExit:\n    pass\n"
+        "threading.Thread(target=threading.Event().wait, name='bystander', daemon=True).start()\n"
+        "def crash_here():\n    ctypes.string_at(0)\n"
+        "crash_here()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -11, proc.stderr[-2000:]
+    assert "Segmentation fault" in proc.stderr and "crash_here" in proc.stderr and "Thread 0x" in proc.stderr
