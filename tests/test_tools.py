@@ -342,3 +342,34 @@ def test_a_failing_environment_dead_letters_its_episode_and_its_neighbours_go_on
     ends = end_offsets(cfg, cfg.topics.name("prompts"))
     done = committed(cfg)
     assert all(done[p] == end for p, end in ends.items() if end)  # every prompt committed
+
+
+@pytest.mark.kafka
+def test_a_rollout_worker_runs_tool_episodes_whose_eos_does_not_end_them(make_config):
+    """The tools environment in a real worker: its opening prompt is the template's rendering with
+    the tools (tokenized without extra special tokens), and a turn ending in EOS goes to ``step``
+    (a final answer: ``env_done``), never ends the episode by itself (``stop``)."""
+    from pipeline import codec
+    from producers import feed
+    from tests.test_rollout import WorkerThread, trajectories
+
+    cfg = make_config(
+        "feed.source=tests/data/guess.jsonl", "rl.group_size=2", "rl.max_staleness=100",
+        "rollout.max_new_tokens=24", "rollout.env.max_turns=3", "rollout.env.max_turn_tokens=6",
+        "rollout.env.stop=[]", "rollout.exit_when_idle_s=2", f"model.chat_template={json.dumps(TOOLS_TEMPLATE)}",
+        'rollout.env.tasks={guess_number="tools"}', 'rollout.env.options={guess_number={tools=["calculator"]}}',
+    )  # fmt: skip
+    feed.run(cfg)
+    w = WorkerThread(cfg)
+    w.thread.join(120)
+    w.join()
+    got = trajectories(cfg, 8)
+    assert len(got) == 8
+    tok = w.worker.tokenizer
+    for t in got:
+        text = tok.decode(list(codec.unpack_i32(t["prompt_tokens"])))
+        assert text.startswith("[system]Tools: calculator\n[user]Guess my number") and text.endswith("[assistant]")
+        assert t["finish_reason"] in ("env_done", "length", "max_turns")
+        toks, mask = list(codec.unpack_i32(t["response_tokens"])), codec.unpack_u8(t["loss_mask"])
+        assert len(mask) == len(toks) and mask[0] == 1
+        assert t["num_turns"] > 1 or all(mask)  # one turn, no tool call: no observation
