@@ -4,12 +4,14 @@ guess-the-number game, and the factory that maps a config spec to a class.
 An episode alternates model turns and environment observations: ``reset`` gives the first
 observation (usually the prompt text), ``step(action)`` takes the text of one model turn and
 returns the next observation, a reward and whether the episode is over. The rollout worker runs
-``step`` on a thread pool, so a slow environment (a sandbox, a tool call) never blocks the
-engine or other episodes. Environment tokens are recorded with loss_mask 0 and logprob 0.
+``step`` on a thread pool with a deadline (``producers.env_steps``), so a slow environment (a
+sandbox, a tool call) never blocks the engine or other episodes, and a failing one ends only its
+own episode, in a dead letter. Environment tokens are recorded with loss_mask 0 and logprob 0.
 
 Environments are plug-ins like engines: ``ENVIRONMENTS`` maps a name to a class (the built-ins
-``guess_number`` and ``tools``, the tool-calling chat environment of ``producers.tool_env``, or ``package.module:Class``), and each episode gets a new instance built as
-``cls(config, ctx)``: the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
+``guess_number`` and ``tools``, the tool-calling chat environment of ``producers.tool_env``, or
+``package.module:Class``), and each episode gets a new instance built as ``cls(config, ctx)``:
+the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
 
 What this is not: a reward function. Rewards given here go into the trajectory's metadata
 (``env_reward``); the reward role still scores the trajectory with its verifier.
