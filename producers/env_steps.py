@@ -39,6 +39,8 @@ class EnvStep:
 
 
 class EnvSteps:
+    """The steps in flight: ``submit`` one, collect the ended ones with ``finished``."""
+
     def __init__(self, workers: int, timeout_s: float, name: str = "env-step"):
         self.timeout_s, self.name = timeout_s, name
         self._jobs: queue.SimpleQueue[EnvStep | None] = queue.SimpleQueue()

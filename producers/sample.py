@@ -5,7 +5,9 @@ A sample is an episode of one or more model turns. Single-turn samples are one t
 on EOS or the token budget. Multi-turn samples (an ``Environment`` is attached) alternate model
 turns (ended by EOS, a stop token or ``max_turn_tokens``) and observations, which are appended
 with loss_mask 0 and logprob 0. EOS ends the episode unless the environment says otherwise
-(``Environment.eos_ends_episode``: a chat environment's assistant messages all end in EOS). ``max_new_tokens`` bounds all response tokens of the episode.
+(``Environment.eos_ends_episode``: a chat environment's assistant messages all end in EOS).
+``max_new_tokens`` bounds all response tokens of the episode. An environment that fails marks
+the sample ``failed``: the worker dead-letters it instead of publishing it.
 
 A turn aborted by a weight reload (``interrupt``) keeps its tokens; the next request continues
 it under the new weights, so version_min < version_max and ``metadata["versions"]`` lists
