@@ -49,6 +49,7 @@ def prompt_tokens(prompt: dict, tokenizer, rc, max_len: int) -> list[int]:
     applied if it should be (the rendered text replaces ``prompt["text"]``), else the plain text.
     InvalidRecord if there are none or more than ``rollout.max_prompt_tokens`` (or ``max_len - 1``)."""
     if uses_template(prompt, rc.chat_template):
+        prompt["_plain_text"] = prompt["text"]  # what a chat environment renders itself (producers.tool_env)
         prompt["text"] = render(prompt, tokenizer, rc.system_prompt, rc.add_generation_prompt)
         toks = tokenizer(prompt["text"], add_special_tokens=False).input_ids  # the template has them
     else:

@@ -64,7 +64,7 @@ class EnvConfig(StrictModel):
     """Multi-turn environments (environment-level async): which tasks run as episodes."""
 
     tasks: dict[str, str] = Field(default_factory=lambda: {"guess_number": "guess_number"})
-    """Task name -> environment: a built-in name (``guess_number``) or ``module:Class``."""
+    """Task name -> environment: a built-in name (``guess_number``, ``tools``) or ``module:Class``."""
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Task name -> options handed to that task's environment (its ``config``)."""
     import_dirs: list[Path] = Field(default_factory=list, max_length=64)
@@ -79,6 +79,11 @@ class EnvConfig(StrictModel):
     """Strings (single tokens) that end a model turn, besides EOS."""
     workers: int = Field(4, ge=1, le=1024)
     """Threads running ``env.step`` so a slow environment never blocks generation."""
+    step_timeout_s: float = Field(60.0, gt=0, le=86_400)
+    """Longest one ``env.step`` may run. A step past it ends its episode with a dead letter
+    (error_type ``env_timeout``; one that raises: ``env_error``) and its thread is abandoned and
+    replaced, so the other episodes go on. A tool environment's own per-call limit
+    (``call_timeout_s``) should be well below it."""
 
 
 class RolloutConfig(StrictModel):

@@ -4,12 +4,14 @@ guess-the-number game, and the factory that maps a config spec to a class.
 An episode alternates model turns and environment observations: ``reset`` gives the first
 observation (usually the prompt text), ``step(action)`` takes the text of one model turn and
 returns the next observation, a reward and whether the episode is over. The rollout worker runs
-``step`` on a thread pool, so a slow environment (a sandbox, a tool call) never blocks the
-engine or other episodes. Environment tokens are recorded with loss_mask 0 and logprob 0.
+``step`` on a thread pool with a deadline (``producers.env_steps``), so a slow environment (a
+sandbox, a tool call) never blocks the engine or other episodes, and a failing one ends only its
+own episode, in a dead letter. Environment tokens are recorded with loss_mask 0 and logprob 0.
 
-Environments are plug-ins like engines: ``ENVIRONMENTS`` maps a name to a class (the built-in
-``guess_number``, or ``package.module:Class``), and each episode gets a new instance built as
-``cls(config, ctx)``: the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
+Environments are plug-ins like engines: ``ENVIRONMENTS`` maps a name to a class (the built-ins
+``guess_number`` and ``tools``, the tool-calling chat environment of ``producers.tool_env``, or
+``package.module:Class``), and each episode gets a new instance built as ``cls(config, ctx)``:
+the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
 
 What this is not: a reward function. Rewards given here go into the trajectory's metadata
 (``env_reward``); the reward role still scores the trajectory with its verifier.
@@ -34,6 +36,9 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
+    """Anything the environment reports; ``info["counts"]`` (name -> number) is added up by the
+    rollout worker into its metrics as ``env.<name>`` (e.g. the tool environment's well-formed
+    and malformed calls)."""
 
 
 @dataclass
@@ -44,11 +49,32 @@ class EnvContext:
     """The task the episode belongs to."""
     worker_id: str = ""
     """The rollout worker running it."""
+    tokenizer: Any = None
+    """The model's tokenizer (its chat template renders conversations); None outside a worker."""
+    import_dirs: tuple = ()
+    """Where ``module:Attr`` plug-ins of the environment are looked up first (``rollout.env.import_dirs``)."""
 
 
 class Environment(ABC):
     """One instance per episode; ``reset`` once, then ``step`` after every model turn.
-    Subclasses take ``(config: dict, ctx: EnvContext)``."""
+    Subclasses take ``(config: dict, ctx: EnvContext)``.
+
+    ``step`` runs on a worker thread with a deadline (``rollout.env.step_timeout_s``): one that
+    raises or runs past it ends its episode with a dead letter (error_type ``env_error`` or
+    ``env_timeout``); the worker and the other episodes go on."""
+
+    eos_ends_episode: bool = True
+    """An EOS at the end of a model turn ends the episode (a plain-text game). False for chat
+    environments, where EOS closes every assistant message and ``step`` decides."""
+    renders_chat: bool = False
+    """``reset`` returns text rendered by the chat template, special tokens included: the worker
+    tokenizes it without adding any."""
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], import_dirs=()) -> None:
+        """Refuse bad options at the worker's start (ConfigError) rather than at the first
+        episode. The default accepts anything."""
+        return None
 
     def __init__(self, config: dict[str, Any] | None = None, ctx: EnvContext | None = None):
         self.config = dict(config or {})
@@ -99,7 +125,11 @@ class GuessNumberEnv(Environment):
         return StepResult("higher\n" if guess < self.secret else "lower\n", 0.0, False, {"guess": guess})
 
 
-ENVIRONMENTS = Registry("environment", {"guess_number": "producers.envs:GuessNumberEnv"}, base=Environment)
+ENVIRONMENTS = Registry(
+    "environment",
+    {"guess_number": "producers.envs:GuessNumberEnv", "tools": "producers.tool_env:ToolEnv"},
+    base=Environment,
+)
 
 
 def env_factory(spec: str, dirs=()) -> type[Environment]:

@@ -36,7 +36,6 @@ import json
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from libs.chat import prompt_tokens
 from libs.engines import EngineContext, GenOutput, build_engine
@@ -48,6 +47,7 @@ from pipeline.metrics import WorkerMetrics
 from pipeline.records import InvalidRecord, check_prompt
 from pipeline.worker import Worker
 from producers.commits import PromptCommits
+from producers.env_steps import EnvSteps
 from producers.envs import EnvContext, env_factory
 from producers.holding import SampleHold, StaleRestarts
 from producers.prompt_queue import PromptQueue
@@ -74,8 +74,8 @@ class RolloutWorker(Worker):
         """Prompt offsets: ledger, commits, rebalance bookkeeping (``producers.commits``)."""
         self.ready: deque[Sample] = deque()  # admitted, not started
         self.running: dict[str, tuple[Sample, object]] = {}  # engine request id -> (sample, request)
-        self.env_pool = ThreadPoolExecutor(self.rc.env.workers, thread_name_prefix="env-step")
-        self.env_steps: dict[Future, Sample] = {}
+        self.env_steps = EnvSteps(self.rc.env.workers, self.rc.env.step_timeout_s)
+        """``env.step`` calls in flight, each with a deadline (``producers.env_steps``)."""
         self.queue = PromptQueue(cfg.rollout.queue_samples or 16 * cfg.rollout.max_inflight)
         """Consumed prompt messages, not admitted yet (``rollout.queue_samples``)."""
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
@@ -99,6 +99,8 @@ class RolloutWorker(Worker):
         self.eos_id = self.tokenizer.eos_token_id
         self.stop_ids = frozenset(self._stop_id(s) for s in self.rc.env.stop)
         self.envs = {task: env_factory(spec, self.rc.env.import_dirs) for task, spec in self.rc.env.tasks.items()}
+        for task, env_cls in self.envs.items():
+            env_cls.check_options(self.rc.env.options.get(task, {}), self.rc.env.import_dirs)
         if self.engine is None:
             ctx = EngineContext(model_dir, self.tokenizer, self.worker_id, self.rc.max_inflight)
             self.engine = build_engine(self.rc.engine, ctx)
@@ -164,7 +166,7 @@ class RolloutWorker(Worker):
         finally:
             if self.weights is not None:
                 self.weights.close()
-            self.env_pool.shutdown(wait=False, cancel_futures=True)
+            self.env_steps.close()
             if self.metrics is not None:
                 self.metrics.close()
             if self.engine is not None:
@@ -235,7 +237,7 @@ class RolloutWorker(Worker):
             prompt = self._parse(msg)
         except DecodeError as exc:  # undecodable, wrong schema, or a prompt that makes no sense
             gen = self.commits.track(tp, msg.offset(), 1)
-            self._dead_letter(msg, exc.error_type, str(exc), gen)
+            self._dead_letter(self.dead_letter(msg, exc.error_type, str(exc)), gen)
             return
         gen = self.commits.track(tp, msg.offset(), prompt["sample_count"])
         self._per_msg += 0.2 * (prompt["sample_count"] - self._per_msg)  # samples per message, smoothed
@@ -267,7 +269,8 @@ class RolloutWorker(Worker):
         for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"]):
             s = Sample(prompt, i, toks, budget, tp, offset, gen=gen)
             if env_cls is not None:
-                s.env = env_cls(self.rc.env.options.get(task, {}), EnvContext(task, self.worker_id))
+                ctx = EnvContext(task, self.worker_id, self.tokenizer, tuple(self.rc.env.import_dirs))
+                s.env = env_cls(self.rc.env.options.get(task, {}), ctx)
                 s.max_turns, s.max_turn_tokens = self.rc.env.max_turns, self.rc.env.max_turn_tokens
             self.ready.append(s)
         self.stats["admitted_groups"] += 1
@@ -285,18 +288,16 @@ class RolloutWorker(Worker):
             tp, entry = got
             self._admit(tp, *entry)
 
-    def _dead_letter(self, msg, error_type: str, reason: str, gen: int) -> None:
-        tp, off = (msg.topic(), msg.partition()), msg.offset()
-        log.warning("dead letter %s", kv(partition=tp[1], offset=off, error_type=error_type, reason=reason[:200]))
-        self.producer.produce_record(
-            self.topics["dlq"],
-            "DeadLetter",
-            self.dead_letter(msg, error_type, reason),
-            key=msg.key(),
-            on_delivery=self.commits.acker(tp, off, gen),
-        )
+    def _dead_letter(self, dead: dict, gen: int) -> None:
+        """Produce DeadLetter ``dead`` (a bad prompt message, or an episode whose environment
+        failed: ``Sample.dead_letter``); acked for its prompt message like a trajectory."""
+        tp, off, why = (dead["source_topic"], dead["source_partition"]), dead["source_offset"], dead["error_type"]
+        log.warning("dead letter %s", kv(partition=tp[1], offset=off, error_type=why, reason=dead["reason"][:200]))
+        acker = self.commits.acker(tp, off, gen)
+        self.producer.produce_record(self.topics["dlq"], "DeadLetter", dead, key=dead["key"], on_delivery=acker)
         self.stats["dlq"] += 1
         self.metrics.inc("dead_letters")
+        self.metrics.inc(f"dead_letters.{why}")
 
     # -- generation ------------------------------------------------------------------------------
     def _draining(self) -> bool:
@@ -312,8 +313,8 @@ class RolloutWorker(Worker):
             else:
                 self._publish(s)
 
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
+    def _tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=special).input_ids
 
     def _submit(self, s: Sample) -> None:
         req = s.request(self.rc.temperature, self.stop_ids, self.eos_id)
@@ -344,14 +345,20 @@ class RolloutWorker(Worker):
             s.add_output(out, self.engine.version)
             self.metrics.inc("tokens_generated", len(out.tokens))
             if s.end_turn(out, self.eos_id):
-                self.env_steps[self.env_pool.submit(s.env.step, self.tokenizer.decode(out.tokens))] = s
+                self.env_steps.submit(s, s.env.step, self.tokenizer.decode(out.tokens))
             else:
                 self._publish(s)
 
     def _finish_env_steps(self) -> None:
-        for fut in [f for f in self.env_steps if f.done()]:
-            s = self.env_steps.pop(fut)
-            res = fut.result()  # an environment that raises stops the worker loudly
+        for step in self.env_steps.finished():
+            s, res = step.sample, step.result
+            if step.error_type is not None:  # this episode ends in a dead letter; the others go on
+                s.failed = (step.error_type, step.reason)
+                self.metrics.set("env_steps_abandoned", self.env_steps.abandoned)
+                self._publish(s)
+                continue
+            for name, n in (res.info.get("counts") or {}).items():
+                self.metrics.inc(f"env.{name}", n)
             obs = self.tokenizer(res.observation, add_special_tokens=False).input_ids
             if s.add_observation(res, obs) and not self._draining():
                 self._submit(s)
@@ -374,6 +381,9 @@ class RolloutWorker(Worker):
 
     def _produce(self, s: Sample) -> None:
         rec = s.trajectory(self.tokenizer, self.worker_id, self.engine.name, self.engine.version)
+        if s.failed is not None:  # its environment failed
+            self._dead_letter(s.dead_letter(rec, self.role, self.worker_id), s.gen)
+            return
         self.producer.produce_record(
             self.topics["rollouts"],
             "Trajectory",
@@ -466,7 +476,7 @@ class RolloutWorker(Worker):
 
         def pending() -> int:
             running = [s for s, _ in self.running.values()]
-            return sum(1 for s in [*self.ready, *running, *self.env_steps.values()] if pred(s.tp))
+            return sum(1 for s in [*self.ready, *running, *self.env_steps.samples()] if pred(s.tp))
 
         while pending() and (budget_s is None or time.monotonic() - t0 < budget_s * 2 / 3):
             self.beat()

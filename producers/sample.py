@@ -4,7 +4,10 @@ and the Trajectory record it becomes.
 A sample is an episode of one or more model turns. Single-turn samples are one turn that ends
 on EOS or the token budget. Multi-turn samples (an ``Environment`` is attached) alternate model
 turns (ended by EOS, a stop token or ``max_turn_tokens``) and observations, which are appended
-with loss_mask 0 and logprob 0. ``max_new_tokens`` bounds all response tokens of the episode.
+with loss_mask 0 and logprob 0. EOS ends the episode unless the environment says otherwise
+(``Environment.eos_ends_episode``: a chat environment's assistant messages all end in EOS).
+``max_new_tokens`` bounds all response tokens of the episode. An environment that fails marks
+the sample ``failed``: the worker dead-letters it instead of publishing it.
 
 A turn aborted by a weight reload (``interrupt``) keeps its tokens; the next request continues
 it under the new weights, so version_min < version_max and ``metadata["versions"]`` lists
@@ -55,6 +58,8 @@ class Sample:
     attempt: int = 0
     restarts: int = 0
     """Times the sample was started again from its prompt (``restart``)."""
+    failed: tuple[str, str] | None = None
+    """(error_type, reason) when its environment failed: the episode ends in a dead letter."""
 
     @property
     def tid(self) -> str:
@@ -64,12 +69,18 @@ class Sample:
     """Ledger generation of the partition when the sample was admitted."""
 
     def start(self, tokenize, max_len: int) -> bool:
-        """Begin the episode (again a no-op once started). False if there is no room to generate."""
+        """Begin the episode (again a no-op once started). False if there is no room to generate,
+        or the environment's ``reset`` raised (``failed``)."""
         if self.started_ms:
             return True
         self.started_ms = now_ms()
         if self.env is not None:
-            self.prompt_tokens = tokenize(self.env.reset(self.prompt, self.index))
+            try:
+                text = self.env.reset(self.prompt, self.index)
+            except Exception as exc:  # this episode ends in a dead letter (``failed``); the others go on
+                self.failed = ("env_error", f"env.reset: {type(exc).__name__}: {exc}")
+                return False
+            self.prompt_tokens = tokenize(text, not self.env.renders_chat)
             self.budget = min(self.budget, max_len - len(self.prompt_tokens))
         if self.budget <= 0:
             self.finish = "length"
@@ -121,7 +132,7 @@ class Sample:
         if self.env is None:
             self.finish = out.finish_reason
             return False
-        if out.tokens and out.tokens[-1] == eos_id:
+        if out.tokens and out.tokens[-1] == eos_id and self.env.eos_ends_episode:
             self.finish = "stop"
         elif len(self.tokens) >= self.budget:
             self.finish = "length"
@@ -176,4 +187,23 @@ class Sample:
             "gen_started_at_ms": self.started_ms,
             "gen_finished_at_ms": self.finished_ms,
             "metadata": meta,
+        }
+
+    def dead_letter(self, rec: dict, role: str, worker_id: str) -> dict:
+        """The DeadLetter of an episode whose environment failed (``failed``): its source is the
+        prompt message, its value the episode so far (``rec``, encoded as a Trajectory), its key
+        the group id, its ``trajectory_id`` header and ``reason`` name the trajectory."""
+        error_type, reason = self.failed
+        return {
+            "source_topic": self.tp[0],
+            "source_partition": self.tp[1],
+            "source_offset": self.offset,
+            "key": rec["group_id"].encode(),
+            "value": codec.encode("Trajectory", rec),
+            "headers": {"trajectory_id": self.tid.encode()},
+            "error_type": error_type,
+            "reason": f"trajectory {self.tid} (turn {self.turns}): {reason}",
+            "role": role,
+            "worker_id": worker_id,
+            "failed_at_ms": now_ms(),
         }

@@ -11,7 +11,8 @@ and the fix, instead of roles restarted in a loop over a mistake no restart can 
   it (a ``module:function`` is imported with ``reward.import_dirs``, which ``rlstream run`` extends
   with the job file's directory); a task of the datasets without a reward is refused when there is
   no default;
-* **environments**: every ``rollout.env.tasks`` class imports and is an ``Environment``;
+* **environments**: every ``rollout.env.tasks`` class imports and is an ``Environment``, and
+  accepts its options (``Environment.check_options``: e.g. the tools environment's tools load);
 * **plug-ins**: every engine, loss or advantage estimator named by a ``module:Name`` path imports;
 * **model**: ``model.path`` resolves, its config.json and tokenizer load (the tiny model's
   tokenizer is built in code); a GGUF not imported yet is checked through its own tokenizer;
@@ -110,14 +111,19 @@ def rewards(cfg, tasks: set[str]) -> None:
 
 
 def environments(cfg) -> None:
-    """Every ``rollout.env.tasks`` entry imports and is an Environment (as a rollout worker loads it)."""
+    """Every ``rollout.env.tasks`` entry imports, is an Environment and accepts its options (as a
+    rollout worker loads it)."""
     from producers.envs import env_factory
 
     for task, spec in cfg.rollout.env.tasks.items():
         try:
-            env_factory(spec, cfg.rollout.env.import_dirs)
+            cls = env_factory(spec, cfg.rollout.env.import_dirs)
         except ConfigError as exc:  # (load_object's message names where it looked)
             raise ConfigError(f"rollout.env.tasks.{task}: {exc}") from exc
+        try:
+            cls.check_options(cfg.rollout.env.options.get(task, {}), cfg.rollout.env.import_dirs)
+        except (ConfigError, ValueError) as exc:  # ValueError: a pydantic ValidationError of the options
+            raise ConfigError(f"rollout.env.options.{task}: {exc}") from exc
 
 
 def plugins(cfg) -> None:

@@ -59,6 +59,10 @@ CASES = {
         '[rollout.env]\ntasks = { guess = "guess_numbr" }\n', PLAIN, None,
         ["rollout.env.tasks.guess: unknown environment 'guess_numbr'"],
     ),
+    "misspelt tool": (
+        '[rollout.env]\ntasks = { sums = "tools" }\noptions = { sums = { tools = ["calculater"] } }\n', PLAIN, None,
+        ["rollout.env.options.sums: unknown tool 'calculater'; built-ins: calculator, python"],
+    ),
     "user loss that does not import": (
         '[trainer.loss]\ntype = "no_such_pkg_xyz.losses:MyLoss"\n', PLAIN, None,
         ["trainer.loss.type: 'no_such_pkg_xyz.losses:MyLoss': cannot import no_such_pkg_xyz.losses"],
