@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
     AclBinding,
     AclBindingFilter,
@@ -148,6 +148,7 @@ class Admin:
         self.timeout = timeout
         self._client: AdminClient | None = None
         self._reader: Consumer | None = None
+        self._group_readers: dict[str, Consumer] = {}
 
     @property
     def _admin(self) -> AdminClient:
@@ -304,13 +305,26 @@ class Admin:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        readers, self._group_readers = list(self._group_readers.values()), {}
+        for reader in readers:
+            reader.close()
 
     def committed(self, group: str, topic: str, partitions: int) -> dict[int, int]:
-        """Committed offsets of a consumer group (-1 where none)."""
-        req = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in range(partitions)])
-        fut = self._admin.list_consumer_group_offsets([req], request_timeout=self.timeout)[group]
-        res = fut.result()
-        return {tp.partition: tp.offset for tp in res.topic_partitions}
+        """Committed offsets of a consumer group (-1 where none).
+
+        Read by a consumer that carries the group's id and never joins it (no subscribe: the group
+        does not see it), not by the admin API: librdkafka's ListConsumerGroupOffsets dereferences
+        the missing consumer-group handle of an admin client when a broker answers NOT_COORDINATOR
+        (librdkafka #5040, open), and that segfault ended a chaos launcher three times out of three
+        in a cluster's rolling restart."""
+        reader = self._group_readers.get(group)
+        if reader is None:
+            # read_uncommitted: offsets as they stand (the admin API's default), without waiting for
+            # a transaction in flight to settle (require_stable is read_committed's)
+            conf = {**self.conf, "isolation.level": "read_uncommitted"}
+            reader = self._group_readers[group] = Consumer(conf, group_id=group)
+        got = reader.committed([(topic, p) for p in range(partitions)], self.timeout)
+        return {p: off for (_, p), off in got.items()}
 
     def group_state(self, group: str) -> tuple[str, int, int]:
         """(state, members, members holding partitions) of a consumer group, e.g. ("STABLE", 2, 2)."""
