@@ -148,6 +148,6 @@ def test_a_heartbeat_interval_at_or_over_the_session_timeout_is_refused():
 
     from consumers.reward.config import RewardConfig
 
-    assert RewardConfig().heartbeat_interval_ms == 500
+    assert RewardConfig().heartbeat_ms() == 3000 and RewardConfig(session_timeout_ms=6000).heartbeat_ms() == 1500
     with pytest.raises(ValidationError, match=r"reward\.heartbeat_interval_ms=6000 must be below"):
         RewardConfig(session_timeout_ms=6000, heartbeat_interval_ms=6000)
