@@ -92,6 +92,12 @@ class RolloutConfig(StrictModel):
     names it after the job: ``pipeline.topology.RunIdentity``)."""
     worker_id: str = ""
     """Id in trajectories, metrics and client ids; '' = host-pid."""
+    heartbeat_interval_ms: int = Field(500, ge=100, le=3_600_000)
+    """``heartbeat.interval.ms`` of the prompt consumer (a ``kafka.consumer`` setting wins): a member
+    learns of a rebalance only from a heartbeat answer and a cooperative rebalance takes two rounds,
+    so partitions that move (a worker joins or leaves) are unowned for about twice this long.
+    librdkafka's 3000 held prompts back ~3 s when the second worker joined (docs/operations.md,
+    "Rebalances"). Must be below ``session.timeout.ms`` (librdkafka's default 45000)."""
     engine: EngineConfig = HFEngineConfig()
     """The generation engine: ``type`` = hf | vllm | openai | sim, or a plug-in ``package.module:Class``."""
     max_inflight: int = Field(32, ge=1, le=100_000)

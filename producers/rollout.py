@@ -117,7 +117,11 @@ class RolloutWorker(Worker):
             self.weights.wait_loadable(self.liveness.slow_op_s)
             self._load()
         self.commits = PromptCommits(self.metrics, cfg.kafka.request_timeout_s + 30, self.section)
-        cconf = {**client_conf(cfg, "rollout", wid, kind="consumer"), "on_commit": self.commits.on_commit}
+        cconf = {  # the user's kafka.consumer settings (in client_conf) win over the heartbeat
+            "heartbeat.interval.ms": self.rc.heartbeat_interval_ms,
+            **client_conf(cfg, "rollout", wid, kind="consumer"),
+            "on_commit": self.commits.on_commit,
+        }
         self.consumer = Consumer(cconf, group_id=self.rc.group_id)
         self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
         self.commits.subscribe(self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed)

@@ -414,16 +414,19 @@ class Launcher:
                     [s["step"], None if s["reward_mean"] is None else round(s["reward_mean"], 4)] for s in steps_log
                 ],
                 "staleness_histogram": self.progress.staleness(),
+                "longest_pause_s": self.progress.longest_pauses(),
                 "eval_curve": self.progress.eval_curve(),
                 "steps": steps_log,
             }
         )
         write_report(self.run_dir, r)
         plots = plot_report(self.run_dir, r)
+        pause = r["longest_pause_s"]
         self.console.print(
             f"[bold]{escape(r['status'])}[/]: {r['steps_completed']} steps in {r['wall_time_s']} s; reward "
             f"{r['reward_first10_mean'] or 0:.3f} (first 10 steps) -> {r['reward_last10_mean'] or 0:.3f} "
-            f"(last 10); restarts {r.get('restarts_total', 0)}; report {self.run_dir / 'report.json'}; "
+            f"(last 10); longest pause after the first step: trainer {pause['trainer']} s, reward {pause['reward']} s; "
+            f"restarts {r.get('restarts_total', 0)}; report {self.run_dir / 'report.json'}; "
             f"plots {', '.join(p.name for p in plots)}",
             soft_wrap=True,
         )

@@ -97,3 +97,57 @@ def test_the_launcher_waits_for_the_final_evaluation_with_the_producers_stopped(
     assert launcher._final_eval_done(sup)
     no_eval = Launcher(cfg, tmp_path, standard_roles(cfg, 1, 1), title="t", live=False, console=Console(file=out))
     assert no_eval._final_eval_done(FakeSupervisor())  # no eval role: the run ends with the trainer
+
+
+def reward_event(worker: str, ts: int, gap_max: float) -> dict:
+    m = {"transactions": 1.0, "commit_gap_s_count": 1.0, "commit_gap_s_max": gap_max}
+    return {"role": "reward", "worker_id": worker, "version": -1, "timestamp_ms": ts, "metrics": m, "labels": {}}
+
+
+def test_the_report_gives_each_stages_longest_pause_after_the_first_step(tmp_path):
+    """Issue 25: a rebalance that takes a reward worker's partitions away for seconds shows as the
+    reward stage's longest commit gap and the trainer's longest gap between steps; what happened
+    before the first step (start-up, model loading) does not count."""
+    from rich.console import Console
+
+    from rlstream.config import load_config
+    from rlstream.launcher import Launcher
+
+    cfg = load_config(None, [f"run_dir={tmp_path}"], environ={})
+    out = io.StringIO()
+    launcher = Launcher(cfg, tmp_path, [], title="t", live=False, console=Console(file=out, width=400))
+    p = launcher.progress
+    p.add(reward_event("reward-0", 500, 30.0))  # before the first step: start-up, not a pause
+    p.add(trainer_event(1, 0.5, 1000))
+    p.add(trainer_event(2, 0.5, 1500))
+    p.add(reward_event("reward-0", 2000, 0.4))
+    p.add(reward_event("reward-1", 12000, 11.5))  # the partitions came back 11.5 s later
+    p.add(trainer_event(3, 0.5, 13300))
+    p.add(trainer_event(4, 0.5, 13800))
+    assert p.longest_pauses() == {"trainer": 11.8, "trainer_before_step": 3, "reward": 11.5}
+    launcher.report = {"status": "ok"}
+    launcher.finish_report({})
+    assert json.loads((tmp_path / "report.json").read_text())["longest_pause_s"]["trainer"] == 11.8
+    assert "longest pause after the first step: trainer 11.8 s, reward 11.5 s" in out.getvalue()
+
+
+def test_the_reward_worker_reports_the_gap_between_its_commits():
+    from consumers.reward.config import RewardConfig
+    from consumers.reward.metrics import RewardMetrics
+
+    metrics = RewardMetrics("w", RewardConfig())
+    metrics.committed([("t", 1.0, 2.0)], [], 5.0)
+    assert "commit_gap_s_max" not in metrics.m.snapshot(reset_windows=False)  # one commit: no gap yet
+    metrics.committed([("t", 1.0, 2.0)], [], 5.0)
+    snap = metrics.m.snapshot()
+    assert snap["commit_gap_s_count"] == 1 and 0 <= snap["commit_gap_s_max"] < 5
+
+
+def test_a_heartbeat_interval_at_or_over_the_session_timeout_is_refused():
+    from pydantic import ValidationError
+
+    from consumers.reward.config import RewardConfig
+
+    assert RewardConfig().heartbeat_ms() == 3000 and RewardConfig(session_timeout_ms=6000).heartbeat_ms() == 1500
+    with pytest.raises(ValidationError, match=r"reward\.heartbeat_interval_ms=6000 must be below"):
+        RewardConfig(session_timeout_ms=6000, heartbeat_interval_ms=6000)

@@ -50,6 +50,19 @@ class RewardConfig(ScoringConfig):
     """``transaction.timeout.ms``: the broker aborts a transaction left open this long."""
     session_timeout_ms: int = Field(45_000, ge=1000, le=3_600_000)
     """``session.timeout.ms`` of the group (the broker's minimum is usually 6000)."""
+    heartbeat_interval_ms: int | None = Field(None, ge=100, le=3_600_000)
+    """``heartbeat.interval.ms``; None: a quarter of ``session_timeout_ms``, at most 3000. With the
+    classic group protocol a member learns of a rebalance only from a heartbeat answer, and a
+    cooperative rebalance (a worker joins or leaves) takes two rounds, so the moved partitions are
+    unowned for about twice this long. It was a quarter of the session timeout (11.25 s), which froze
+    ``rlstream run`` for ~11 s when a second reward worker joined late (docs/operations.md,
+    "Rebalances"). 500 brings that to ~1 s but makes a known race of static members more likely
+    (docs/benchmarks.md, "Rebalance pauses"). Must be below ``session_timeout_ms``."""
+
+    def heartbeat_ms(self) -> int:
+        """The ``heartbeat.interval.ms`` the worker uses (``heartbeat_interval_ms``, or its default)."""
+        return self.heartbeat_interval_ms or min(3000, max(100, self.session_timeout_ms // 4))
+
     max_poll_interval_ms: int = Field(600_000, ge=1000, le=86_400_000)
     """``max.poll.interval.ms``; must exceed the worst-case time to score one batch."""
     metrics_interval_s: float = Field(10.0, gt=0, le=3600)
@@ -73,6 +86,11 @@ class RewardConfig(ScoringConfig):
             raise ValueError(
                 f"reward.max_poll_interval_ms={self.max_poll_interval_ms} must exceed the worst-case batch time "
                 f"timeout_s * ceil(max_batch_size / pool_size) + max_batch_ms = {worst_s:.1f} s"
+            )
+        if self.heartbeat_interval_ms is not None and self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"reward.heartbeat_interval_ms={self.heartbeat_interval_ms} must be below "
+                f"reward.session_timeout_ms={self.session_timeout_ms}"
             )
         if self.chaos_delay_in_txn_ms >= self.transaction_timeout_ms:
             raise ValueError("reward.chaos_delay_in_txn_ms must be below reward.transaction_timeout_ms")

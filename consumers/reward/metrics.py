@@ -4,7 +4,9 @@ Recorded only for committed transactions: ``consumed`` (with ``consumed_rate``, 
 ``scored``, ``dead_letters`` and ``dead_letters.<error_type>``, ``transactions``, ``txn_aborts``; per task
 ``task.<task>.count``, ``task.<task>.reward_mean`` (since start), ``task.<task>.reward_le_<b>``
 (cumulative histogram buckets) and the window stats of ``task.<task>.reward`` (count, mean, p50,
-p90, max); ``verifier_latency_ms`` and ``txn_ms`` windows. Publishing (a MetricEvent keyed
+p90, max); ``verifier_latency_ms`` and ``txn_ms`` windows; the ``commit_gap_s`` window (seconds between
+one commit and the next: a long one is a pause of this worker, e.g. during a rebalance; the run report's
+``longest_pause_s`` takes its maximum). Publishing (a MetricEvent keyed
 ``reward/<worker_id>`` on the metrics topic) and Prometheus are the shared class's job.
 """
 
@@ -64,7 +66,10 @@ class RewardMetrics:
             m.inc(f"dead_letters.{error_type}")
             if ms:
                 m.observe("verifier_latency_ms", ms)
-        self.last_commit_at = time.monotonic()
+        now = time.monotonic()
+        if self.last_commit_at is not None:
+            m.observe("commit_gap_s", now - self.last_commit_at)
+        self.last_commit_at = now
 
     def aborted(self) -> None:
         self.m.inc("txn_aborts")

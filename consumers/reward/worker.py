@@ -91,7 +91,7 @@ class RewardWorker(Worker):
             client_conf(cfg, "reward", self.worker_id, "consumer"),
             {
                 "session.timeout.ms": rc.session_timeout_ms,
-                "heartbeat.interval.ms": max(100, rc.session_timeout_ms // 4),
+                "heartbeat.interval.ms": rc.heartbeat_ms(),  # a rebalance is noticed within one
                 "max.poll.interval.ms": rc.max_poll_interval_ms,
                 **({"group.instance.id": rc.group_instance_id} if rc.group_instance_id else {}),
             },
