@@ -130,9 +130,11 @@ class ExactlyOnceLoop:
         # (Producer.TXN_GRACE_S: librdkafka #5456 can block send_offsets_to_transaction forever).
         self.call_s = request_timeout_s + 30
         self.commit_wait_s = self.call_s * (COMMIT_ATTEMPTS + 1)  # send_offsets, then the commit attempts
-        # The checkpoint inside a transaction: with the chaos delay it flushes (bounded by the request
-        # timeout, which a broker outage can use up) and sleeps, so the watchdog allows for both.
-        self.checkpoint_s = watchdog_s + (chaos_delay_s + request_timeout_s if chaos_delay_s else 0.0)
+        # The checkpoint inside a transaction: with the chaos delay it first flushes, bounded by the
+        # request timeout (which a broker outage can use up), so the watchdog allows for that; the
+        # sleep after it stands for a worker stuck in a transaction and gets the loop's own limit.
+        self.flush_s = request_timeout_s + watchdog_s
+        self.checkpoint_s = watchdog_s + (request_timeout_s if chaos_delay_s else 0.0)
         txn_timeout_s = int(producer_conf.get("transaction.timeout.ms", 60_000)) / 1000
         self.init_s = max(60.0, txn_timeout_s + 30)
         self.producer: Producer | None = None
@@ -230,8 +232,7 @@ class ExactlyOnceLoop:
         inline, ``watch`` declares watchdog sections; on the commit thread it is a no-op (sections
         belong to the main thread, whose wait in ``settle`` is watched)."""
         try:
-            with watch("transaction", self.checkpoint_s):
-                self._txn_checkpoint(txn.batch)
+            self._txn_checkpoint(txn.batch, watch)
         finally:
             txn.checkpointed.set()
         with watch("send_offsets_to_transaction", self.call_s):
@@ -240,11 +241,14 @@ class ExactlyOnceLoop:
             )
         self._commit(watch)
 
-    def _txn_checkpoint(self, batch: list) -> None:
+    def _txn_checkpoint(self, batch: list, watch) -> None:
         log.debug("transaction open %s", kv(worker_id=self.worker_id, batch=len(batch)))
         if self.chaos_delay_s:
-            self.producer.flush(self.request_timeout_s)  # the records really are on the broker
-            time.sleep(self.chaos_delay_s)
+            with watch("transaction flush", self.flush_s):
+                self.producer.flush(self.request_timeout_s)  # the records really are on the broker
+        with watch("transaction", self.watchdog_s):
+            if self.chaos_delay_s:
+                time.sleep(self.chaos_delay_s)
 
     def _commit(self, watch) -> None:
         for attempt in range(COMMIT_ATTEMPTS):
@@ -268,7 +272,7 @@ class ExactlyOnceLoop:
         if txn is None:
             return
         with self._section("transaction", self.checkpoint_s):
-            txn.checkpointed.wait(self.checkpoint_s + self.commit_wait_s)
+            txn.checkpointed.wait(self.chaos_delay_s + self.checkpoint_s + self.commit_wait_s)
         with self._section("commit_transaction", self.commit_wait_s):
             try:
                 exc = txn.future.exception(self.commit_wait_s)
