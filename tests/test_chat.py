@@ -87,7 +87,7 @@ def test_a_chat_prompt_under_never_has_no_tokens_and_goes_to_the_dlq(make_config
     goes on with the plain record. ``rlstream run`` refuses such a job before start (test_preflight)."""
     from producers import feed
     from tests.rollout_helpers import read_topic
-    from tests.test_rollout import WorkerThread, trajectories
+    from tests.test_rollout import run_until_idle, trajectories
 
     data = tmp_path / "chat.jsonl"
     rows = [{"id": "c1", "messages": CHAT, "task": "t"}, {"id": "p1", "prompt": "plain", "task": "t"}]
@@ -97,9 +97,7 @@ def test_a_chat_prompt_under_never_has_no_tokens_and_goes_to_the_dlq(make_config
         'rollout.chat_template="never"', "rollout.exit_when_idle_s=2",
     )  # fmt: skip
     feed.run(cfg)
-    w = WorkerThread(cfg)
-    w.thread.join(120)
-    w.join()
+    run_until_idle(cfg)
     dlq = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 1)]
     assert [d["error_type"] for d in dlq] == ["invalid"], dlq
     assert "prompt has no tokens" in dlq[0]["reason"] and "chat template" in dlq[0]["reason"]

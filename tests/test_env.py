@@ -9,7 +9,7 @@ from pipeline.models import load_model, load_tokenizer, materialize
 from producers import feed
 from producers.envs import Environment, GuessNumberEnv, env_factory
 from tests.test_engine_hf import teacher_forced_logprobs
-from tests.test_rollout import WorkerThread, trajectories
+from tests.test_rollout import run_until_idle, trajectories
 
 FEEDBACK = {"higher\n", "lower\n", "correct\n", "invalid\n"}
 
@@ -41,9 +41,7 @@ def test_multi_turn_rollouts_mask_environment_tokens(make_config):
         "rollout.exit_when_idle_s=2",
     )  # fmt: skip
     feed.run(cfg)
-    w = WorkerThread(cfg)
-    w.thread.join(120)
-    w.join()
+    run_until_idle(cfg)
     got = trajectories(cfg, 12)
     assert len(got) == 12
     d = materialize(cfg.model)

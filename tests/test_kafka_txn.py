@@ -79,6 +79,12 @@ def make_loop(cfg, consumer, tid: str, events: Events, cls=ExactlyOnceLoop, over
     return loop
 
 
+def close_stage(loop: ExactlyOnceLoop, consumer: Consumer) -> None:
+    loop.close_committer(False)
+    consumer.close()
+    loop.close_producer(False)
+
+
 def copy_into(loop: ExactlyOnceLoop, dst: str, batch: list):
     def produce():
         for m in batch:
@@ -104,9 +110,7 @@ def test_a_batch_commits_with_its_offsets(stage, overlap):
         loop.settle()
         assert not loop.rewound() and not loop.in_txn
     finally:
-        loop.close_committer(False)
-        consumer.close()
-        loop.close_producer(False)
+        close_stage(loop, consumer)
     assert events.committed == [4, N - 4] and not events.aborted
     assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
     assert committed_offset(cfg, group, src) == N  # the offsets committed inside the transactions
@@ -141,9 +145,7 @@ def test_the_watchdog_allows_for_the_fault_injection_flush(stage, overlap):
         assert loop.write(batch, copy_into(loop, dst, batch))
         loop.settle()
     finally:
-        loop.close_committer(False)
-        consumer.close()
-        loop.close_producer(False)
+        close_stage(loop, consumer)
     assert events.committed == [N]
     flush = [s for what, s in sections if what == ("transaction" if overlap else "transaction flush")]
     assert flush and max(flush) >= 10.0, sections  # the main thread waits through it with overlap
@@ -180,9 +182,7 @@ def test_a_failure_inside_the_batch_aborts_it_and_rewinds_the_input(stage, overl
         assert loop.write(again, copy_into(loop, dst, again))
         loop.settle()
     finally:
-        loop.close_committer(False)
-        consumer.close()
-        loop.close_producer(False)
+        close_stage(loop, consumer)
     assert events.committed == [N]
     assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]  # once each
     assert committed_offset(cfg, group, src) == N
@@ -214,9 +214,7 @@ def test_a_failed_transaction_rewinds_the_batch_read_after_it_too(stage):
         assert loop.write(again, copy_into(loop, dst, again))
         loop.settle()
     finally:
-        loop.close_committer(False)
-        consumer.close()
-        loop.close_producer(False)
+        close_stage(loop, consumer)
     assert len(events.aborted) == 1 and events.committed == [N]
     assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
 
@@ -247,9 +245,7 @@ def test_a_stuck_producer_is_replaced_and_its_batch_read_again(stage):
         again = read_batch(consumer, N)
         assert loop.write(again, copy_into(loop, dst, again))
     finally:
-        loop.close_committer(False)
-        consumer.close()
-        loop.close_producer(False)
+        close_stage(loop, consumer)
     assert events.committed == [N]
     assert read_output(cfg, dst) == [f"out-in-{i}".encode() for i in range(N)]
 

@@ -45,6 +45,15 @@ class WorkerThread:
             raise self.error
 
 
+def run_until_idle(cfg, timeout: float = 120) -> WorkerThread:
+    """Run a RolloutWorker until it exits on its own (``rollout.exit_when_idle_s``); re-raises what
+    killed it."""
+    w = WorkerThread(cfg)
+    w.thread.join(timeout)
+    w.join()
+    return w
+
+
 def wait_for(pred, timeout=60.0, what="condition", worker=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -301,9 +310,7 @@ def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
     with Producer(client_conf(cfg, "test", kind="producer")) as p:
         for key, value, _ in sent:
             p.produce(topic, value, key=key, partition=3, headers={"h": b"v"})
-    w = WorkerThread(cfg)
-    w.thread.join(120)
-    w.join()
+    run_until_idle(cfg)
     dlq = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 5)]
     assert [(d["key"], d["value"], d["error_type"]) for d in dlq] == [(k, v, e) for k, v, e in sent if e]
     assert [d["source_offset"] for d in dlq] == [i for i, s in enumerate(sent) if s[2]]

@@ -308,7 +308,7 @@ def test_a_failing_environment_dead_letters_its_episode_and_its_neighbours_go_on
     from pipeline import codec
     from producers import feed
     from tests.rollout_helpers import end_offsets, read_topic
-    from tests.test_rollout import WorkerThread, committed, trajectories
+    from tests.test_rollout import committed, run_until_idle, trajectories
 
     cfg = make_config(
         "feed.source=tests/data/guess.jsonl", "rl.group_size=4", "rl.max_staleness=100",
@@ -317,9 +317,7 @@ def test_a_failing_environment_dead_letters_its_episode_and_its_neighbours_go_on
         'rollout.env.tasks={guess_number="tests.test_tools:FaultyGuessEnv"}',
     )  # fmt: skip
     feed.run(cfg)
-    w = WorkerThread(cfg)
-    w.thread.join(120)
-    w.join()  # the worker was not stopped by any of it
+    run_until_idle(cfg)
     dead = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 4)]
     got = trajectories(cfg, 4)
     kinds = {}
@@ -351,7 +349,7 @@ def test_a_rollout_worker_runs_tool_episodes_whose_eos_does_not_end_them(make_co
     (a final answer: ``env_done``), never ends the episode by itself (``stop``)."""
     from pipeline import codec
     from producers import feed
-    from tests.test_rollout import WorkerThread, trajectories
+    from tests.test_rollout import run_until_idle, trajectories
 
     cfg = make_config(
         "feed.source=tests/data/guess.jsonl", "rl.group_size=2", "rl.max_staleness=100",
@@ -360,9 +358,7 @@ def test_a_rollout_worker_runs_tool_episodes_whose_eos_does_not_end_them(make_co
         'rollout.env.tasks={guess_number="tools"}', 'rollout.env.options={guess_number={tools=["calculator"]}}',
     )  # fmt: skip
     feed.run(cfg)
-    w = WorkerThread(cfg)
-    w.thread.join(120)
-    w.join()
+    w = run_until_idle(cfg)
     got = trajectories(cfg, 8)
     assert len(got) == 8
     tok = w.worker.tokenizer
