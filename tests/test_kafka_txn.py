@@ -306,3 +306,16 @@ def test_a_retired_producer_is_not_a_wedged_client(kafka_bootstrap):
     before = wedged_clients()
     p.retire()
     assert wedged_clients() == before and p.fatal and p.pending() == 0
+
+
+def test_a_broker_handle_dropped_with_its_node_is_transient():
+    """On a three-node cluster a restarted rollout worker's start-up read failed with
+    _DESTROY_BROKER while a node was being killed (chaos --nodes 3) and the role exited as crashed;
+    it is retried like a broker that is down. A client destroyed by its owner (_DESTROY) is not."""
+    from pipeline.kafka.common import is_transient
+
+    def err(code):
+        return KafkaClientError("x", KafkaError(code, "x"))
+
+    assert is_transient(err(KafkaError._DESTROY_BROKER)) and is_transient(err(KafkaError._TRANSPORT))
+    assert not is_transient(err(KafkaError._DESTROY))

@@ -125,6 +125,9 @@ _TRANSIENT_CODES = {
     KafkaError.REBALANCE_IN_PROGRESS,
     KafkaError.REQUEST_TIMED_OUT,
     KafkaError.NETWORK_EXCEPTION,
+    # a broker handle dropped with its node (a rolling restart or a killed node of a cluster): a
+    # restarted rollout worker's start-up watermarks read failed with it and the role exited
+    KafkaError._DESTROY_BROKER,
 }
 _UNKNOWN_TOPIC_CODES = {KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
 _AUTH_CODES = {KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError.SASL_AUTHENTICATION_FAILED}
