@@ -74,7 +74,10 @@ SIZES = {
 TASK_RECORDS = 10  # write_task's prompts; the feed cycles over them in epochs
 CHAOS_SETTINGS = {  # below the user's --config/--set: a fault run's liveness bounds
     "liveness.watchdog_s": 30,
-    "liveness.shutdown_timeout_s": 20,
+    # the product's default stop bound: a stop that lands in a transaction call wedged after a broker
+    # restart waits out that call's own bound (send_offsets: 10 s + 15 s grace) first; at 20 s a
+    # leaving worker was cut short as hung there (once in a CI run)
+    "liveness.shutdown_timeout_s": 30,
     "liveness.slow_op_s": 300,
     # a group waits this long for its last samples: a kill -9 or a broker restart delays them by a
     # session timeout (45 s) plus a restart; the demo's 60 s would close groups early
