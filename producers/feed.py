@@ -230,7 +230,9 @@ class Feed(Worker):
             self.producer.flush_patiently(self.liveness.outage_s, "prompts")
             if self._wm is None:
                 self._wm = Consumer(client_conf(self.cfg, "feed-wm", kind="consumer"))
-            timeout = self.cfg.kafka.request_timeout_s
+            # as patient as the flush above: a partition leader that is moving (a node shutting
+            # down on a cluster) or a broker that is away is waited for, not a crash
+            timeout = self.liveness.outage_s
             offsets = {p: self._wm.watermarks(self.topic, p, timeout)[1] for p in range(self.partitions)}
             args = {
                 "feed": self.fc.name,
