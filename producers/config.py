@@ -97,7 +97,14 @@ class RolloutConfig(StrictModel):
     learns of a rebalance only from a heartbeat answer and a cooperative rebalance takes two rounds,
     so partitions that move (a worker joins or leaves) are unowned for about twice this long.
     librdkafka's 3000 held prompts back ~3 s when the second worker joined (docs/operations.md,
-    "Rebalances"). Must be below ``session.timeout.ms`` (librdkafka's default 45000)."""
+    "Rebalances"). Must be below ``session_timeout_ms``."""
+    session_timeout_ms: int = Field(15_000, ge=1000, le=3_600_000)
+    """``session.timeout.ms`` of the prompt consumer (a ``kafka.consumer`` setting wins): how long the
+    prompts of a worker that died without leaving (kill -9, a lost node) stay unowned, and how long
+    a rebalance started by its restart (a new member: rollout workers are dynamic members) waits for
+    the dead member. librdkafka's 45000 held a three-node chaos run's prompts back ~45 s after each
+    rollout kill (docs/reliability.md). The heartbeat runs on librdkafka's own thread, so a busy
+    engine does not miss it; the broker's ``group.min.session.timeout.ms`` (6000) is the floor."""
     engine: EngineConfig = HFEngineConfig()
     """The generation engine: ``type`` = hf | vllm | openai | sim, or a plug-in ``package.module:Class``."""
     max_inflight: int = Field(32, ge=1, le=100_000)
@@ -173,6 +180,15 @@ class RolloutConfig(StrictModel):
     """Stop after this long with nothing to do and no new prompts (0 = run forever)."""
     env: EnvConfig = EnvConfig()
     """Multi-turn environments."""
+
+    @model_validator(mode="after")
+    def _heartbeat_below_session(self):
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"rollout.heartbeat_interval_ms={self.heartbeat_interval_ms} must be below "
+                f"rollout.session_timeout_ms={self.session_timeout_ms}"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -117,8 +117,9 @@ class RolloutWorker(Worker):
             self.weights.wait_loadable(self.liveness.slow_op_s)
             self._load()
         self.commits = PromptCommits(self.metrics, cfg.kafka.request_timeout_s + 30, self.section)
-        cconf = {  # the user's kafka.consumer settings (in client_conf) win over the heartbeat
+        cconf = {  # the user's kafka.consumer settings (in client_conf) win over these two
             "heartbeat.interval.ms": self.rc.heartbeat_interval_ms,
+            "session.timeout.ms": self.rc.session_timeout_ms,
             **client_conf(cfg, "rollout", wid, kind="consumer"),
             "on_commit": self.commits.on_commit,
         }

@@ -310,7 +310,8 @@ def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
     with Producer(client_conf(cfg, "test", kind="producer")) as p:
         for key, value, _ in sent:
             p.produce(topic, value, key=key, partition=3, headers={"h": b"v"})
-    run_until_idle(cfg)
+    w = run_until_idle(cfg)
+    assert w.worker.consumer._conf["session.timeout.ms"] == cfg.rollout.session_timeout_ms  # reaches the client
     dlq = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 5)]
     assert [(d["key"], d["value"], d["error_type"]) for d in dlq] == [(k, v, e) for k, v, e in sent if e]
     assert [d["source_offset"] for d in dlq] == [i for i, s in enumerate(sent) if s[2]]

@@ -151,3 +151,13 @@ def test_a_heartbeat_interval_at_or_over_the_session_timeout_is_refused():
     assert RewardConfig().heartbeat_ms() == 3000 and RewardConfig(session_timeout_ms=6000).heartbeat_ms() == 1500
     with pytest.raises(ValidationError, match=r"reward\.heartbeat_interval_ms=6000 must be below"):
         RewardConfig(session_timeout_ms=6000, heartbeat_interval_ms=6000)
+
+
+def test_the_rollout_heartbeat_must_be_below_its_session_timeout():
+    from pydantic import ValidationError
+
+    from producers.config import RolloutConfig
+
+    assert (RolloutConfig().heartbeat_interval_ms, RolloutConfig().session_timeout_ms) == (500, 15000)
+    with pytest.raises(ValidationError, match=r"rollout\.heartbeat_interval_ms=6000 must be below"):
+        RolloutConfig(session_timeout_ms=6000, heartbeat_interval_ms=6000)
