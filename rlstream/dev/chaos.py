@@ -177,6 +177,10 @@ class Chaos:
         self.wall: dict[str, float] = {}
         """Wall-clock start of the chaos phase and of the drain (``availability``)."""
         self.phases: dict[str, float] = {}
+        unit = math.lcm(cfg.rl.groups_per_step, TASK_RECORDS)
+        self.held = unit if p.get("broker_restarts") and p["groups"] >= 2 * unit else 0
+        """Groups the feed keeps back until every planned broker fault is done: without them a trainer
+        that finished first (a loaded machine; a slow rolling restart) left broker faults undone."""
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> str | None:
@@ -186,7 +190,7 @@ class Chaos:
         if self.phase == "warm-up":
             if self._pipeline_up():
                 self.phases["warmup_s"] = round(now - self.t_start, 1)
-                self.launcher.add_role(RoleSpec("feed", "feed", may_exit=True))
+                self.launcher.add_role(RoleSpec("feed", "feed", {"feed.limit": self.p["groups"] - self.held}, True))
                 self.phase, self.t0 = "chaos", now
                 self.wall["chaos"] = time.time()
                 self.say(f"chaos phase: {len(self.pending)} faults over {self.p['duration_s']:.0f} s")
@@ -197,7 +201,8 @@ class Chaos:
             t = now - self.t0
             for f in [f for f in self.pending if f.at <= t]:
                 self._do(f, t)
-            if not self.pending and t >= self.p["duration_s"] and not self.broker_ops.busy:
+            self._release_held(t)
+            if not self.pending and t >= self.p["duration_s"] and not self.broker_ops.busy and not self.held:
                 self.phase, self.t_drain = "drain", now
                 self.wall["drain"] = time.time()
                 self.phases["chaos_s"] = round(now - self.t0, 1)
@@ -205,6 +210,17 @@ class Chaos:
         elif self.phase == "drain" and now - self.t_drain > self.opts.drain_s:
             return f"failed: drain timed out ({self.opts.drain_s:.0f} s) before the trainer reached its last step"
         return None
+
+    def _release_held(self, t: float) -> None:
+        """Feed the held-back groups once no broker fault is planned or running and the first feed
+        has finished (two feeds of one name never run at once: the second continues from its state)."""
+        if not self.held or self.broker_ops.busy or any(f.kind == "broker" for f in self.pending):
+            return
+        if not _finished(self.launcher.sup, "feed"):
+            return
+        self.launcher.add_role(RoleSpec("feed-rest", "feed", {"feed.limit": self.p["groups"]}, True))
+        self.say(f"broker faults done at {t:.0f} s: feeding the last {self.held} groups")
+        self.held = 0
 
     def _pipeline_up(self) -> bool:
         ids = {f"trainer/{self.cfg.trainer.trainer_id}"}
