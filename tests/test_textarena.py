@@ -131,6 +131,14 @@ def test_a_groups_samples_play_the_same_game_unless_seeded_by_sample():
     assert secret(prompt("a@e0", seed=7), 0) == secret(prompt("b@e3", seed=7), 0)  # the reference's seed wins
 
 
+def test_the_task_generator_writes_one_seeded_game_per_record():
+    from rlstream.tasks import textarena
+
+    recs = textarena(count=20)
+    assert recs == textarena(count=20) and len({r["reference"]["seed"] for r in recs}) == 20
+    assert {r["task"] for r in recs} == {"textarena"} and all(r["prompt"] for r in recs)
+
+
 # -- through the pipeline --------------------------------------------------------------------------
 def runs(mask) -> list[tuple[int, int, int]]:
     """(mask value, start, end) of each run of model (1) and environment (0) tokens."""
@@ -150,10 +158,13 @@ def inline(v) -> str:
 
 
 def pipeline_config(make_config, *extra: str, env: str = "textarena"):
+    """The job of the pipeline tests. The worker exits after 8 s without work, not 2 s: its idle
+    time counts from its subscription, and on a loaded machine a run with 2 s produced no
+    trajectory at all (the worker most likely left before its group join gave it the prompts)."""
     return make_config(
         f"feed.source={DATA}", "rl.group_size=3", "rl.max_staleness=100", "model.max_position_embeddings=1024",
         "rollout.max_new_tokens=400", "rollout.env.max_turns=5", "rollout.env.max_turn_tokens=4",
-        "rollout.exit_when_idle_s=2", f'rollout.env.tasks={{textarena="{env}"}}',
+        "rollout.exit_when_idle_s=8", f'rollout.env.tasks={{textarena="{env}"}}',
         f"rollout.env.options={{textarena={inline(GUESS)}}}", *extra,
     )  # fmt: skip
 
@@ -172,7 +183,7 @@ def test_a_textarena_game_runs_through_rollout_and_reward_with_its_own_reward(ma
         make_config, 'reward.tasks={textarena=[{name="env_reward"}]}', "reward.default=[]", "reward.executor=thread"
     )
     feed.run(cfg)
-    w = run_until_idle(cfg)
+    w = run_until_idle(cfg, timeout=300)  # a ~500-token opening per turn: slow on a loaded machine
     got = trajectories(cfg, 12)
     assert len(got) == 12 and len({t["trajectory_id"] for t in got}) == 12
     tok = w.worker.tokenizer
@@ -198,7 +209,7 @@ def test_a_textarena_game_runs_through_rollout_and_reward_with_its_own_reward(ma
     assert all(done[p] == end for p, end in ends.items() if end)  # every prompt committed
     # the game's own reward is the RL reward (the built-in reward function env_reward)
     with running(RewardWorker(cfg)):
-        scored = [decode_message(m, "ScoredTrajectory") for m in read_all(cfg, "scored", 12)]
+        scored = [decode_message(m, "ScoredTrajectory") for m in read_all(cfg, "scored", 12, timeout=180)]
     assert len(scored) == 12
     for s in scored:
         assert s["reward"] == pytest.approx(float(s["trajectory"]["metadata"]["env_reward"]))
@@ -251,8 +262,9 @@ def test_textarena_episodes_that_raise_or_hang_mid_game_are_dead_letters_and_not
         env="tests.test_textarena:FaultyTextArenaEnv",
     )  # fmt: skip
     feed.run(cfg)
+    RELEASE.clear()
     try:
-        w = run_until_idle(cfg)
+        w = run_until_idle(cfg, timeout=300)
         dead = [r for _, r in read_topic(cfg, "dlq", "DeadLetter", 8)]
         got = trajectories(cfg, 4)
     finally:
