@@ -64,7 +64,7 @@ class EnvConfig(StrictModel):
     """Multi-turn environments (environment-level async): which tasks run as episodes."""
 
     tasks: dict[str, str] = Field(default_factory=lambda: {"guess_number": "guess_number"})
-    """Task name -> environment: a built-in name (``guess_number``, ``tools``) or ``module:Class``."""
+    """Task name -> environment: a built-in name (``guess_number``, ``tools``, ``textarena``) or ``module:Class``."""
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Task name -> options handed to that task's environment (its ``config``)."""
     import_dirs: list[Path] = Field(default_factory=list, max_length=64)

@@ -9,7 +9,8 @@ sandbox, a tool call) never blocks the engine or other episodes, and a failing o
 own episode, in a dead letter. Environment tokens are recorded with loss_mask 0 and logprob 0.
 
 Environments are plug-ins like engines: ``ENVIRONMENTS`` maps a name to a class (the built-ins
-``guess_number`` and ``tools``, the tool-calling chat environment of ``producers.tool_env``, or
+``guess_number``, ``tools``, the tool-calling chat environment of ``producers.tool_env``, and
+``textarena``, the games of the textarena library (``producers.textarena_env``), or
 ``package.module:Class``), and each episode gets a new instance built as ``cls(config, ctx)``:
 the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
 
@@ -127,7 +128,11 @@ class GuessNumberEnv(Environment):
 
 ENVIRONMENTS = Registry(
     "environment",
-    {"guess_number": "producers.envs:GuessNumberEnv", "tools": "producers.tool_env:ToolEnv"},
+    {
+        "guess_number": "producers.envs:GuessNumberEnv",
+        "tools": "producers.tool_env:ToolEnv",
+        "textarena": "producers.textarena_env:TextArenaEnv",
+    },
     base=Environment,
 )
 

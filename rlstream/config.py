@@ -89,7 +89,7 @@ class BrokerConfig(StrictModel):
 
 class DatasetConfig(StrictModel):
     generator: str = Field(min_length=1)
-    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number, reasoning_gym."""
+    """A built-in task generator of ``rlstream.tasks``: next_digit, arithmetic, guess_number, textarena, reasoning_gym."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the generator."""
     held_out: float = Field(0.0, ge=0.0, le=0.9)

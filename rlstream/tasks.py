@@ -3,6 +3,8 @@ tests run without downloading anything.
 
 * ``next_digit``: ``7>`` → ``8`` (the demo's task: 10 prompts, answer = the next digit mod 10).
 * ``guess_number``: episodes of the built-in multi-turn environment (producers.envs).
+* ``textarena``: ``count`` games of the ``textarena`` environment (producers.textarena_env), one
+  seed each in the reference: the game itself is named by the environment's options.
 * ``arithmetic``: ``3+4=`` or ``three plus four=`` → ``7``: additions (and optionally subtractions)
   of small numbers, written in digits or in words, the answer as digits, scored by the math
   verifier. With ``max_result`` 9 every answer is one character, which the tiny character-level
@@ -85,6 +87,17 @@ def guess_number(seed: int = 0, count: int = 50, lo: int = 1, hi: int = 20) -> l
     ]  # fmt: skip
 
 
+def textarena(seed: int = 0, count: int = 50, task: str = "textarena", prompt: str = "Play the game.\n") -> list[dict]:
+    """``count`` episodes of the ``textarena`` environment, each a game seed (``reference.seed``)
+    drawn from ``seed``; the game (``env_id``) is the environment's option, and ``prompt`` only
+    labels the record (the model sees the game's own opening)."""
+    rng = random.Random(seed)
+    return [
+        {"id": f"ta{i}", "prompt": prompt, "task": task, "reference": {"seed": rng.randrange(2**31)}}
+        for i in range(count)
+    ]
+
+
 def reasoning_gym(
     dataset: str = "chain_sum",
     config: dict | None = None,
@@ -154,6 +167,7 @@ GENERATORS = {
     "next_digit": next_digit,
     "arithmetic": arithmetic,
     "guess_number": guess_number,
+    "textarena": textarena,
     "reasoning_gym": reasoning_gym,
 }
 
