@@ -239,6 +239,10 @@ def test_availability_figures_from_steps_and_kills():
     assert a["kills_per_min"] == 1.2
     assert ca.availability_line(a).startswith("availability: ettr=0.")
     assert ca.availability([], events, 100.0, None)["ettr"] is None
+    # the harness held groups back from 160 to 170 (the trainer ran dry): not counted against a fault
+    held = ca.availability(steps, events, 100.0, 200.0, hold=(160.0, 170.0))
+    assert held["trainer_kill_to_step_s"] == [19.5] and held["rollout_kill_trainer_idle_s"] == [20.0]
+    assert held["ettr"] == round(len(ends) / 90, 3)
 
 
 def test_tiny_fault_run_passes(tmp_path):

@@ -181,6 +181,9 @@ class Chaos:
         self.held = unit if p.get("broker_restarts") and p["groups"] >= 2 * unit else 0
         """Groups the feed keeps back until every planned broker fault is done: without them a trainer
         that finished first (a loaded machine; a slow rolling restart) left broker faults undone."""
+        self.held_from = (p["groups"] - self.held) // cfg.rl.groups_per_step if self.held else 0
+        """The last step of the groups fed before the release: when the trainer reached it before the
+        release, the wait from there to the release is taken out of the availability figures."""
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> str | None:
@@ -220,7 +223,7 @@ class Chaos:
             return
         self.launcher.add_role(RoleSpec("feed-rest", "feed", {"feed.limit": self.p["groups"]}, True))
         self.say(f"broker faults done at {t:.0f} s: feeding the last {self.held} groups")
-        self.held = 0
+        self.held, self.wall["released"] = 0, time.time()
 
     def _pipeline_up(self) -> bool:
         ids = {f"trainer/{self.cfg.trainer.trainer_id}"}
@@ -435,7 +438,12 @@ def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wa
     events = chaos.launcher.sup.events if chaos and chaos.launcher.sup else []
     sup = chaos_audit.supervision(events)
     wall = chaos.wall if chaos else {}
-    avail = chaos_audit.availability(steps, events, wall.get("chaos"), wall.get("drain"))
+    hold = None  # the trainer waiting for the held-back groups is the harness's doing, not a fault's cost
+    if wall.get("released") and chaos.held_from:
+        dry = [s["time"] for s in steps if s.get("step", 0) == chaos.held_from and s.get("time")]
+        if dry and dry[0] < wall["released"]:
+            hold = (dry[0], wall["released"])
+    avail = chaos_audit.availability(steps, events, wall.get("chaos"), wall.get("drain"), hold)
     done = chaos.done_counts(sup, audit["fuzz_injected"] if audit else 0)
     planned = {k: p[k] for k in ("kills", "trainer_kills", "feed_kills", "broker_restarts", "joins", "fuzz")}
     faults = {"planned": planned, "done": done}

@@ -348,7 +348,19 @@ IDLE_WINDOW_S = 120.0
 """How long after a rollout-worker kill the trainer's longest idle gap is looked for."""
 
 
-def availability(steps: list[dict], events: list[dict], t_start: float | None, t_end: float | None) -> dict:
+def _outside(a: float, b: float, hold: tuple[float, float] | None) -> float:
+    """Seconds of [a, b] outside ``hold``."""
+    inside = max(0.0, min(b, hold[1]) - max(a, hold[0])) if hold else 0.0
+    return b - a - inside
+
+
+def availability(
+    steps: list[dict],
+    events: list[dict],
+    t_start: float | None,
+    t_end: float | None,
+    hold: tuple[float, float] | None = None,
+) -> dict:
     """Availability under the faults, from the steps log (each step's end ``time`` and its
     ``step_time_s`` in the optimizer) and the supervisor's events (wall ``time`` of each kill -9),
     over the chaos phase [``t_start``, ``t_end``] (wall seconds; ``t_end`` None: the last step):
@@ -357,13 +369,16 @@ def availability(steps: list[dict], events: list[dict], t_start: float | None, t
     * ``trainer_kill_to_step_s``: from each kill -9 of the trainer to the end of its next step;
     * ``rollout_kill_trainer_idle_s``: per kill -9 of a rollout worker, the longest gap between two
       step ends that overlaps the ``IDLE_WINDOW_S`` after it (the trainer's idle time, with the step);
-    * ``kills_per_min``: the kill rate those figures were measured at."""
+    * ``kills_per_min``: the kill rate those figures were measured at.
+
+    ``hold`` (wall seconds): a time the trainer waited for the harness itself (the chaos feed's
+    held-back groups), taken out of every figure."""
     done = sorted((s["time"], s.get("step_time_s") or 0.0) for s in steps if s.get("time"))
     if t_start is None or not done:
         return {"ettr": None, "trainer_kill_to_step_s": [], "rollout_kill_trainer_idle_s": [], "kills_per_min": None}
     end = t_end if t_end is not None else done[-1][0]
     inside = [(t, d) for t, d in done if t_start < t <= end]
-    wall = max(1e-9, end - t_start)
+    wall = max(1e-9, _outside(t_start, end, hold))
     kills = [e for e in events if e["event"] == "signal" and e.get("signal") == "SIGKILL" and e.get("time")]
     ends = [t for t, _ in done]
 
@@ -371,7 +386,9 @@ def availability(steps: list[dict], events: list[dict], t_start: float | None, t
         return next((t for t in ends if t > after), None)
 
     trainer = [
-        round(n - e["time"], 1) for e in kills if role_of(e["name"]) == "trainer" and (n := next_step(e["time"]))
+        round(_outside(e["time"], n, hold), 1)
+        for e in kills
+        if role_of(e["name"]) == "trainer" and (n := next_step(e["time"]))
     ]
     idle = []
     for e in kills:
@@ -381,7 +398,7 @@ def availability(steps: list[dict], events: list[dict], t_start: float | None, t
         before = [t for t in ends if t <= k][-1:]
         after = [t for t in ends if t > k + IDLE_WINDOW_S][:1]
         marks = before + [t for t in ends if k < t <= k + IDLE_WINDOW_S] + after
-        gaps = [b - a for a, b in itertools.pairwise(marks)]
+        gaps = [_outside(a, b, hold) for a, b in itertools.pairwise(marks)]
         if gaps:
             idle.append(round(max(gaps), 1))
     in_phase = [e for e in kills if t_start <= e["time"] <= end]
