@@ -101,3 +101,19 @@ def test_turn_sync_worker_runs_env_steps_in_batches(make_config, turn_sync):
         assert max(sum(1 for s in starts if abs(s - x) < 0.03) for x in starts) >= 4
     else:  # each episode's step starts when its own turn ends
         assert overlapping_phases(StepLog.log) > 0
+
+
+def test_the_bench_tool_env_is_deterministic_long_tailed_and_ends_after_its_turns():
+    from pipeline.errors import ConfigError
+    from rlstream.dev.bench.agent_env import DEFAULTS, SimToolEnv, mean_latency, tool_latency
+
+    lat = [tool_latency({}, f"g{i}/0", t) for i in range(2000) for t in (1, 2)]
+    assert all(DEFAULTS["min_s"] <= x <= DEFAULTS["max_s"] for x in lat)
+    assert tool_latency({}, "g7/3", 2) == tool_latency({}, "g7/3", 2) != tool_latency({}, "g7/3", 3)
+    assert lat.count(DEFAULTS["max_s"]) > 0 and lat.count(DEFAULTS["min_s"]) > 0  # both clips are reached
+    assert 0.3 < mean_latency({}, 5000) < 0.8 and mean_latency({"median_s": 0.1, "max_s": 0.5}, 5000) < 0.2
+    env = SimToolEnv({"turns": 2, "median_s": 0.001, "min_s": 0.001, "max_s": 0.002})
+    assert env.reset({"group_id": "g@e0", "text": "hi"}, 1) == "hi"
+    assert [env.step("x").done for _ in range(2)] == [False, True]
+    with pytest.raises(ConfigError, match="unknown options"):
+        SimToolEnv.check_options({"turn": 3})
