@@ -84,6 +84,12 @@ class EnvConfig(StrictModel):
     (error_type ``env_timeout``; one that raises: ``env_error``) and its thread is abandoned and
     replaced, so the other episodes go on. A tool environment's own per-call limit
     (``call_timeout_s``) should be well below it."""
+    turn_sync: bool = False
+    """A baseline for benchmarks, not a mode to run jobs in: behave like a turn-synchronous batch
+    framework. Ended turns' ``env.step`` calls wait until no sample is generating, then run
+    together; generation (next turns and new samples) waits until every one of them has returned.
+    False (the default) is environment-level async: each episode's step runs as soon as its turn
+    ends while the engine goes on with the others (``rlstream bench agentic`` compares the two)."""
 
 
 class RolloutConfig(StrictModel):

@@ -9,6 +9,12 @@ and being a daemon it never holds up the process's exit) and a new thread takes 
 environment costs a thread, never a slot of the others. Time waiting for a thread does not count
 towards the deadline.
 
+``turn_sync`` (``rollout.env.turn_sync``, a benchmark baseline) makes the steps turn-synchronous
+as in a batch framework: a submitted step is held until the worker calls ``dispatch`` (it does
+when no sample is generating), and the steps of a dispatched batch come back from ``finished``
+together, once every one of them has ended; ``stepping`` tells the worker to start no generation
+meanwhile.
+
 What this is not: a sandbox; a step that spins forever keeps its CPU until the process ends.
 """
 
@@ -41,10 +47,14 @@ class EnvStep:
 class EnvSteps:
     """The steps in flight: ``submit`` one, collect the ended ones with ``finished``."""
 
-    def __init__(self, workers: int, timeout_s: float, name: str = "env-step"):
-        self.timeout_s, self.name = timeout_s, name
+    def __init__(self, workers: int, timeout_s: float, name: str = "env-step", turn_sync: bool = False):
+        self.timeout_s, self.name, self.turn_sync = timeout_s, name, turn_sync
         self._jobs: queue.SimpleQueue[EnvStep | None] = queue.SimpleQueue()
         self._pending: list[EnvStep] = []
+        self._held: list[EnvStep] = []
+        """turn_sync: submitted, not dispatched yet."""
+        self._ended: list[EnvStep] = []
+        """turn_sync: ended steps of the dispatched batch, kept until the whole batch has ended."""
         self._threads = 0
         self._lock = threading.Lock()
         self.abandoned = 0
@@ -73,8 +83,26 @@ class EnvSteps:
 
     def submit(self, sample, fn: Callable, *args) -> None:
         step = EnvStep(sample, fn, args)
+        if self.turn_sync:
+            self._held.append(step)
+            return
         self._pending.append(step)
         self._jobs.put(step)
+
+    def dispatch(self) -> int:
+        """turn_sync: run the held steps (the worker calls it when no sample is generating);
+        returns how many started. A no-op while a dispatched batch is still out."""
+        if not self._held or self.stepping():
+            return 0
+        batch, self._held = self._held, []
+        for step in batch:
+            self._pending.append(step)
+            self._jobs.put(step)
+        return len(batch)
+
+    def stepping(self) -> bool:
+        """turn_sync: a dispatched batch has not all come back: the worker starts no generation."""
+        return self.turn_sync and bool(self._pending or self._ended)
 
     def finished(self) -> list[EnvStep]:
         """Steps that returned, raised or ran past the deadline since the last call, in submission order."""
@@ -94,16 +122,22 @@ class EnvSteps:
             else:
                 keep.append(step)
         self._pending = keep
+        if not self.turn_sync:
+            return out
+        self._ended.extend(out)
+        if self._pending:
+            return []
+        out, self._ended = self._ended, []
         return out
 
     def samples(self) -> list:
-        return [s.sample for s in self._pending]
+        return [s.sample for s in (*self._pending, *self._ended, *self._held)]
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._ended) + len(self._held)
 
     def close(self) -> None:
         """Let the idle threads end (a running step's thread ends after it)."""
-        self._pending = []
+        self._pending, self._ended, self._held = [], [], []
         for _ in range(self._threads):
             self._jobs.put(None)

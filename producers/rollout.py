@@ -74,8 +74,8 @@ class RolloutWorker(Worker):
         """Prompt offsets: ledger, commits, rebalance bookkeeping (``producers.commits``)."""
         self.ready: deque[Sample] = deque()  # admitted, not started
         self.running: dict[str, tuple[Sample, object]] = {}  # engine request id -> (sample, request)
-        self.env_steps = EnvSteps(self.rc.env.workers, self.rc.env.step_timeout_s)
-        """``env.step`` calls in flight, each with a deadline (``producers.env_steps``)."""
+        self.env_steps = EnvSteps(self.rc.env.workers, self.rc.env.step_timeout_s, turn_sync=self.rc.env.turn_sync)
+        """``env.step`` calls in flight, each with a deadline (``producers.env_steps``; ``turn_sync``: a baseline)."""
         self.queue = PromptQueue(cfg.rollout.queue_samples or 16 * cfg.rollout.max_inflight)
         """Consumed prompt messages, not admitted yet (``rollout.queue_samples``)."""
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
@@ -197,6 +197,8 @@ class RolloutWorker(Worker):
         if self.running:
             self._handle_outputs(self.engine.step(self.engine.step_wait_s))
         self._finish_env_steps()
+        if self.env_steps.turn_sync and not (self.running or any(s.started_ms for s in self.ready)):
+            self.env_steps.dispatch()  # the turn-synchronous baseline: the batch's env steps run now
         if consume:
             self._poll_prompts()
         elif not self.running:
@@ -309,8 +311,8 @@ class RolloutWorker(Worker):
         return self.weights.loadable is not None and self.rc.reload_policy == "drain"
 
     def _start_samples(self) -> None:
-        if self._draining():
-            return  # drain: no new turn until the new weights are in
+        if self._draining() or self.env_steps.stepping():
+            return  # drain: no new turn until the new weights are in; turn_sync: until the env steps return
         while self.ready and len(self.running) + len(self.env_steps) < self.rc.max_inflight:
             s = self.ready.popleft()
             if s.start(self._tokenize, self.max_len):

@@ -32,10 +32,10 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
     proc = run_cli(
         ["bench", "all", "--size", "tiny", "--bootstrap", kafka_bootstrap, "--out", str(out), "--docs", str(docs)],
         cli_env,
-        timeout=1200,  # a guard against a hang, not a speed target: ~3 min quiet, more at load 10+
+        timeout=1500,  # a guard against a hang, not a speed target: ~4-5 min quiet, more at load 10+
     )
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["results"]) == {"async", "transport", "weights", "scaling", "ceiling"}
+    assert set(summary["results"]) == {"async", "agentic", "transport", "weights", "scaling", "ceiling"}
     assert summary["size"] == "tiny" and positive(summary["total_seconds"])
 
     a = json.loads((out / "async.json").read_text())
@@ -55,6 +55,22 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
                 assert positive(r["plan"][key]), key
             assert positive(r["achieved_over_ideal"])
     assert next(r for r in a["runs"] if r["k"] == 0 and r["engine"] == "sim")["speedup_over_k0"] == 1.0
+
+    g = json.loads((out / "agentic.json").read_text())
+    assert [[r["mode"], r["k"]] for r in g["runs"]] == g["sizes"]["runs"]
+    assert {r["mode"] for r in g["runs"]} == {"turn-sync", "env-async"}
+    for r in g["runs"]:
+        assert r["status"] == "ok", r
+        assert r["steps_completed"] == g["sizes"]["steps"]
+        for key in ("samples_per_s", "wall_s", "speedup_over_sync", "speedup_over_env_async_k0", "achieved_over_ideal"):
+            assert positive(r[key]), (key, r)
+        for key in ("trainer_idle_fraction", "rollout_idle_fraction"):
+            assert fraction(r[key]), (key, r)
+        assert positive(r["env.tool_calls"]) and r["dead_letters"] == 0
+        assert max(int(d) for d in r["staleness_histogram"]) <= r["k"]
+    assert next(r for r in g["runs"] if r["mode"] == "turn-sync" and r["k"] == 0)["speedup_over_sync"] == 1.0
+    for key in ("generation_capacity_samples_per_s", "ideal_samples_per_s", "ideal_sync_samples_per_s"):
+        assert positive(g["plan"][key]), key
 
     t = json.loads((out / "transport.json").read_text())
     assert t["status"] == {"reward": "ok", "trainer": "ok"}
@@ -106,7 +122,7 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
             assert Path(png).stat().st_size > 1000
     text = docs.read_text()
     assert "Hand-written text stays." in text and "old table" not in text
-    for name in ("async", "transport", "weights", "scaling", "ceiling"):
+    for name in ("async", "agentic", "transport", "weights", "scaling", "ceiling"):
         assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text
     assert "| engine | workload | k |" in text
     for png in (docs.parent / "img" / "bench").iterdir():

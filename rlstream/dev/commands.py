@@ -48,8 +48,15 @@ def chaos(
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 
-BENCHMARKS = ("async", "transport", "weights", "scaling", "ceiling", "learn", "trl")
-ALL = ("async", "transport", "weights", "scaling", "ceiling")  # learn and trl take hours at full size: by name
+BENCHMARKS = ("async", "agentic", "transport", "weights", "scaling", "ceiling", "learn", "trl")
+ALL = (
+    "async",
+    "agentic",
+    "transport",
+    "weights",
+    "scaling",
+    "ceiling",
+)  # learn and trl take hours at full size: by name
 
 
 def bench(
@@ -68,7 +75,7 @@ def bench(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Benchmarks (async vs sync, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl); results as JSON + PNG, tables for the docs."""
+    """Benchmarks (async vs sync, agentic, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl); results as JSON + PNG, tables for the docs."""
     wanted = list(ALL) if "all" in names else names
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown or size not in ("tiny", "full"):

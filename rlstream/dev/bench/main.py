@@ -20,6 +20,7 @@ from rlstream.dev.bench.harness import BenchContext, broker, machine, py_spy, up
 
 BENCHMARKS = {
     "async": "rlstream.dev.bench.async_sync",
+    "agentic": "rlstream.dev.bench.agentic",
     "transport": "rlstream.dev.bench.transport",
     "weights": "rlstream.dev.bench.weights",
     "scaling": "rlstream.dev.bench.scaling",
@@ -32,6 +33,7 @@ LONG = {"learn", "trl"}
 ALL = [n for n in BENCHMARKS if n not in LONG]
 TITLES = {
     "async": "async vs sync",
+    "agentic": "agentic: environment-level async vs turn-sync",
     "transport": "transport overhead",
     "weights": "weight-notice latency",
     "scaling": "scale on one broker",
