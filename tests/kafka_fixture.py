@@ -45,3 +45,24 @@ def kafka_broker() -> Iterator[tuple[str, str]]:
     finally:
         broker.stop(progress=lambda m: print(f"[kafka fixture] {m}"))
         shutil.rmtree(data, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def own_broker(data_dir) -> Iterator[dict]:
+    """A local broker of the test's own (its state: ``pid``, ``bootstrap``), for tests that pause it
+    (SIGSTOP) and so must not touch the session's broker. Always left running again, then stopped."""
+    import signal
+
+    from rlstream.broker import LocalBroker
+    from rlstream.config import BrokerConfig
+
+    broker = LocalBroker(BrokerConfig(port=0, data_dir=data_dir, heap_mb=512))
+    state = broker.start(progress=lambda _msg: None, owned=True)
+    try:
+        yield state
+    finally:
+        try:
+            os.kill(state["pid"], signal.SIGCONT)  # never leave it stopped
+        except ProcessLookupError:
+            pass
+        broker.stop(progress=lambda _msg: None)

@@ -20,8 +20,8 @@ import pytest
 from pipeline.admin import ensure_topics
 from pipeline.kafka import Consumer, client_conf
 from producers import feed
-from rlstream.broker import LocalBroker
-from rlstream.config import BrokerConfig, load_config
+from rlstream.config import load_config
+from tests.kafka_fixture import own_broker
 from tests.rollout_helpers import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -53,9 +53,7 @@ class PausingFeed(feed.Feed):
 
 
 def test_the_feed_checkpoint_waits_out_a_paused_broker(tmp_path):
-    broker = LocalBroker(BrokerConfig(port=0, data_dir=tmp_path / "broker", heap_mb=512))
-    state = broker.start(progress=lambda _msg: None, owned=True)
-    try:
+    with own_broker(tmp_path / "broker") as state:
         PausingConsumer.broker_pid = state["pid"]
         cfg = load_config(
             None,
@@ -78,9 +76,3 @@ def test_the_feed_checkpoint_waits_out_a_paused_broker(tmp_path):
         assert feed.run(cfg)["messages"] == 0, "the feed's state was not recorded"
         seqs = collections.Counter(r["group_seq"] for _, r in read_topic(cfg, "prompts", "Prompt", 6, 60))
         assert sorted(seqs) == list(range(6)) and set(seqs.values()) == {1}
-    finally:
-        try:
-            os.kill(state["pid"], signal.SIGCONT)  # never leave it stopped
-        except ProcessLookupError:
-            pass
-        broker.stop(progress=lambda _msg: None)

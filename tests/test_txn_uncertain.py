@@ -24,8 +24,8 @@ from consumers.reward.worker import RewardWorker
 from pipeline import codec
 from pipeline.admin import ensure_topics
 from pipeline.kafka import ExactlyOnceLoop, decode_message, wait_for
-from rlstream.broker import LocalBroker
-from rlstream.config import BrokerConfig, load_config
+from rlstream.config import load_config
+from tests.kafka_fixture import own_broker
 from tests.test_reward_worker import produce, read_all, running, traj
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -55,9 +55,7 @@ class Worker(RewardWorker):
 
 
 def test_a_commit_that_times_out_replaces_the_producer_and_loses_nothing(tmp_path):
-    broker = LocalBroker(BrokerConfig(port=0, data_dir=tmp_path / "broker", heap_mb=512))
-    state = broker.start(progress=lambda _msg: None, owned=True)
-    try:
+    with own_broker(tmp_path / "broker") as state:
         PauseBrokerInCommit.broker_pid = state["pid"]
         cfg = load_config(
             None,
@@ -88,9 +86,3 @@ def test_a_commit_that_times_out_replaces_the_producer_and_loses_nothing(tmp_pat
         ids = [decode_message(m, "ScoredTrajectory")["trajectory"]["trajectory_id"] for m in scored]
         assert sorted(ids) == sorted(f"g{i % 4}/{i}" for i in range(n)), "lost or scored twice"
         assert replaced >= 1, "the timed-out commit was retried in the same producer epoch"
-    finally:
-        try:
-            os.kill(state["pid"], signal.SIGCONT)  # never leave it stopped
-        except ProcessLookupError:
-            pass
-        broker.stop(progress=lambda _msg: None)
