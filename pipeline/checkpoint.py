@@ -119,6 +119,56 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
+NOTICE_DIR = "notice"
+"""``<store>/notice/``: the notice key and the writer epoch (not a version directory: gc keeps it)."""
+
+
+def notice_key_uri(store: str) -> str:
+    return join(store, NOTICE_DIR, "key")
+
+
+def notice_epoch_uri(store: str) -> str:
+    return join(store, NOTICE_DIR, "epoch")
+
+
+def read_small(uri: str) -> bytes | None:
+    """The bytes of small file ``uri``; None if it is not there."""
+    fs, path = _fs(uri)
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def create_exclusive(uri: str, data: bytes) -> bool:
+    """Create ``uri`` holding ``data`` unless it exists (False then). On a local disk the file is
+    written whole to a temp file of mode 0600 (``O_EXCL``) and hard-linked into place, which fails
+    if it exists: two writers never both create it, a crash never leaves half of it, and only the
+    job's user reads it. Elsewhere (object stores have no exclusive create): written whole if
+    absent (the trainer's checkpoint-dir lock keeps a second trainer out)."""
+    fs, path = _fs(uri)
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{time.monotonic_ns()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+    if fs.exists(path):
+        return False
+    atomic_write_bytes(uri, data)
+    return True
+
+
 def version_dir(store: str, version: int) -> str:
     return join(store, f"v{version:08d}")
 

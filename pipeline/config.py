@@ -39,10 +39,49 @@ NON_CONFIG_ENV = frozenset(
 DEFAULT_HOME = Path(os.environ.get("RLSTREAM_HOME", Path.home() / ".rlstream"))
 
 
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _takes_none_not_str(annotation: Any) -> bool:
+    """``annotation`` (a field's type) is a number or None: ``"none"`` can only mean None."""
+    import types
+    import typing
+
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else ()
+    return type(None) in args and all(a in (int, float, type(None)) for a in args)
+
+
+NONE = "none"
+"""How a config file or ``--set`` spells None (TOML has no null) for a setting whose default is
+not None (``trainer.loss.behav_weight_cap = "none"``: uncapped); ``dump_toml`` writes it so."""
+
+
 class StrictModel(BaseModel):
     """Base of every rlstream config model: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_spelled_out(cls, data: Any) -> Any:
+        """``"none"`` is None for a setting that may be None and is not a string."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            f = cls.model_fields.get(name)
+            if not isinstance(value, str) or f is None or not _takes_none_not_str(f.annotation):
+                continue
+            if value.lower() == NONE:
+                out[name] = None
+            elif not _number(value):
+                raise ValueError(f'{name} = {value!r}: give a value of its type, or "{NONE}" for none')
+        return out
 
 
 class PluginConfig(StrictModel):
@@ -434,10 +473,16 @@ def _redacted(name: str, value):
 
 def _model_toml(model: StrictModel, prefix: str, redact: bool = False) -> str:
     scalars, tables = [], []
-    for name in type(model).model_fields:
+    for name, field in type(model).model_fields.items():
         value = getattr(model, name)
         if isinstance(value, StrictModel):
             tables.append((name, value))
+        elif (
+            value is None
+            and field.get_default(call_default_factory=True) is not None
+            and _takes_none_not_str(field.annotation)
+        ):
+            scalars.append(f'{name} = "{NONE}"')  # TOML has no null: left out, it would read back as the default
         elif value is not None:
             dumped = model.model_dump(mode="json", include={name})[name]
             scalars.append(f"{name} = {_toml_value(_redacted(name, dumped) if redact else dumped)}")

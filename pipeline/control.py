@@ -41,6 +41,7 @@ from pipeline import codec
 from pipeline.errors import DecodeError
 from pipeline.kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition, client_conf
 from pipeline.log import kv
+from pipeline.notice_auth import NoticeVerifier
 from pipeline.records import dead_letter
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,21 @@ def publish_weight_update(producer: Producer, topic: str, update: dict, timeout:
 
 
 def publish_progress(
-    producer: Producer, topic: str, version: int, consumed: int, trainer_id: str = "", timeout: float = 30.0
+    producer: Producer,
+    topic: str,
+    version: int,
+    consumed: int,
+    trainer_id: str = "",
+    timeout: float = 30.0,
+    sign=None,
 ) -> None:
     """Publish the trainer's consumed-group count while it is at ``version`` (dynamic sampling:
-    filtered groups raise it without a new version, and producers admit further from it)."""
+    filtered groups raise it without a new version, and producers admit further from it).
+    ``sign``: the trainer's ``NoticeSigner.sign`` (``pipeline.notice_auth``), None in an unsigned job."""
     args = {"version": str(int(version)), "consumed_groups": str(int(consumed)), "trainer_id": trainer_id}
     rec = {"name": PROGRESS_COMMAND, "args": args, "issued_by": trainer_id, "created_at_ms": now_ms()}
+    if sign is not None:
+        rec = sign(rec)
     producer.produce_record(topic, "Command", rec, key=PROGRESS_KEY)
     producer.flush_patiently(timeout, f"progress v{version}")
     log.debug("published progress %s", kv(version=version, consumed_groups=consumed))
@@ -114,7 +124,10 @@ class ControlFollower:
     newest consumed-group count known for version ``v`` (admission). Undecodable records are
     logged and skipped (the control topic is written only by rlstream).
 
-    A notice is checked before it is accepted (``notice_problem``): its version must follow the
+    A notice is checked before it is accepted (``notice_problem``): it must be signed by the job's
+    notice key and not by a replaced trainer (``pipeline.notice_auth``: ``unsigned_notice``,
+    ``bad_signature``, ``stale_writer_epoch``; unsigned ones pass only while the store has no key,
+    a job of an older rlstream), and its version must follow the
     newest accepted by at most ``trainer.publish_every`` (the trainer publishes its versions in
     order on a one-partition topic, every ``publish_every`` steps), or re-publish one; ``writer``
     (a trainer following its own notices) accepts only notices that carry that ``trainer_id``.
@@ -129,6 +142,8 @@ class ControlFollower:
         self.topic = cfg.topics.name("control")
         self.consumer = Consumer(client_conf(cfg, f"{role}-control", worker_id, kind="consumer"))
         self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+        self.auth = NoticeVerifier(cfg.store)
+        """Who wrote a notice: the job's key and the newest writer epoch accepted."""
         self.latest_update: dict | None = None
         self.accepted: list[tuple[dict, object]] = []
         """Accepted notices not rejected since, in arrival order, with their messages (newest few)."""
@@ -162,7 +177,10 @@ class ControlFollower:
                 self._accept(rec, msg)
             elif name == "Command":
                 self.commands.append(rec)
-                if rec["name"] == PROGRESS_COMMAND:
+                if rec["name"] == PROGRESS_COMMAND and (problem := self.auth.problem(rec)) is not None:
+                    self._dead_letter(msg, {"version": rec["args"].get("version", "?")}, *problem)
+                elif rec["name"] == PROGRESS_COMMAND:
+                    self.auth.note(rec)
                     try:
                         self._note_consumed(int(rec["args"]["version"]), int(rec["args"]["consumed_groups"]))
                     except (KeyError, ValueError) as exc:
@@ -174,6 +192,9 @@ class ControlFollower:
         """None if the notice may be accepted; ``"republished"`` for a copy of an accepted one (a
         trainer re-publishing after a restart: skipped quietly); else ``(error_type, reason)``."""
         v, who = rec["version"], rec.get("trainer_id", "")
+        forged = self.auth.problem(rec)
+        if forged is not None:
+            return forged
         if self.writer is not None and who != self.writer:
             return "foreign_writer", f"notice v{v} written by {who!r}, not by this trainer ({self.writer!r})"
         if not rec["uri"]:
@@ -182,6 +203,7 @@ class ControlFollower:
         if first and self.trust_first and v > 0:
             return None
         if any(_same(rec, u) for u, _ in self.accepted):
+            self.auth.note(rec)  # a restarted trainer's copy, of its new epoch
             return "republished"
         if v > self.newest + self.max_jump:
             return (
@@ -195,6 +217,7 @@ class ControlFollower:
         return None
 
     def _accept(self, rec: dict, msg) -> None:
+        self.auth.note(rec)
         self.newest = max(self.newest, rec["version"])
         self.accepted.append((rec, msg))
         del self.accepted[:-_KEEP_NOTICES]

@@ -9,10 +9,12 @@ from __future__ import annotations
 from pipeline import codec
 from pipeline.errors import ConfigError, DecodeError, UnknownVersion
 from pipeline.kafka import Consumer, client_conf
+from pipeline.notice_auth import verified
 
 
 def published(cfg) -> dict[int, dict]:
-    """Every WeightUpdate on the run's control topic, by version. ConfigError (one line) when the
+    """Every WeightUpdate on the run's control topic that its trainer wrote (signed with the job's
+    notice key, ``pipeline.notice_auth``), by version. ConfigError (one line) when the
     topic is not there: the command was not given the run's config."""
     from pipeline.admin import Admin
 
@@ -29,15 +31,16 @@ def published(cfg) -> dict[int, dict]:
         )
     with Consumer(client_conf(cfg, "export", kind="consumer")) as c:
         msgs = c.read_to_end(topic, timeout=cfg.liveness.startup_timeout_s)
-    updates: dict[int, dict] = {}
+    notices = []
     for m in msgs:
         try:
             name, rec = codec.decode(m.value())
         except DecodeError:
             continue  # the control topic is rlstream's own; a stray record is not a version
         if name == "WeightUpdate":
-            updates[rec["version"]] = rec
-    return updates
+            notices.append(rec)
+    # a notice not signed by the job's trainer (pipeline.notice_auth) announces no version
+    return {rec["version"]: rec for rec in verified(cfg.store, notices)}
 
 
 def in_store(updates: dict[int, dict]) -> list[int]:

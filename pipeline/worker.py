@@ -121,6 +121,10 @@ class Watchdog:
         finally:
             self._what, self._deadline = prev[0], max(prev[1], time.monotonic() + self.loop_s)
 
+    def stop_left(self) -> float | None:
+        """Seconds left before a stop asked for is cut short (None: no stop asked for)."""
+        return None if self._stop_deadline is None else self._stop_deadline - time.monotonic()
+
     def stopping(self) -> None:
         """A stop was asked for: the process must be gone within ``shutdown_s``."""
         if self._stop_deadline is None:
@@ -182,6 +186,10 @@ class Watchdog:
         os._exit(EXIT_HUNG)
 
 
+KEEPALIVE_S = 10.0
+"""How often ``Worker.keepalive`` runs while the main loop is inside a declared section."""
+
+
 class Worker:
     """Base of every role process. Subclasses set ``role`` and implement the hooks."""
 
@@ -207,6 +215,10 @@ class Worker:
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self) -> None:
         """Connect, load models, restore state (runs under the ``slow_op_s`` limit)."""
+
+    def wait_turn(self) -> None:
+        """Before ``setup``: wait until this process may run (a hot standby waits here for the
+        active process to die). Must ``beat`` and raise ``StopRequested`` on a stop; no time limit."""
 
     def run_once(self) -> bool:
         """One iteration of the main loop; False when the role is done."""
@@ -279,6 +291,7 @@ class Worker:
         """Run ``setup`` once (``run`` calls it; tests may call it first)."""
         if not self._started:
             self._started = True
+            self.wait_turn()
             with self.section("setup", self.liveness.slow_op_s):
                 self._in_setup = True
                 try:
@@ -290,11 +303,48 @@ class Worker:
         if self.watchdog is not None:
             self.watchdog.beat()
 
+    def stop_time_left(self) -> float | None:
+        """Seconds left of the stop bound once a stop was asked for (None: not stopping)."""
+        if not self.stop_event.is_set():
+            return None
+        left = self.watchdog.stop_left() if self.watchdog is not None else None
+        return self.liveness.shutdown_timeout_s if left is None else left
+
     def section(self, what: str, seconds: float | None = None):
-        """Context manager: a declared long operation (``liveness.slow_op_s`` unless given)."""
+        """Context manager: a declared long operation (``liveness.slow_op_s`` unless given). The
+        watchdog holds it to that limit; meanwhile a role with a ``keepalive`` hook keeps calling it
+        (from a thread, every ``KEEPALIVE_S``), so a supervisor that watches its metrics does not take
+        a declared wait for a hang (a process stuck with the GIL held calls nothing: still caught)."""
         if self.watchdog is None:
             return contextlib.nullcontext()
-        return self.watchdog.section(what, seconds or self.liveness.slow_op_s)
+        inner = self.watchdog.section(what, seconds or self.liveness.slow_op_s)
+        if type(self).keepalive is Worker.keepalive or self._in_setup:
+            return inner
+        return self._kept_alive(inner)
+
+    def keepalive(self) -> None:
+        """Called from a thread while the main loop is inside a declared ``section`` (e.g. publish
+        metrics); must be thread-safe and quick. Default: nothing."""
+
+    @contextlib.contextmanager
+    def _kept_alive(self, inner):
+        done = threading.Event()
+
+        def loop():
+            while not done.wait(KEEPALIVE_S):
+                try:
+                    self.keepalive()
+                except Exception as exc:  # a missed beat is harmless; the section itself decides
+                    log.warning("keepalive failed %s", kv(role=self.role, worker=self.worker_id, error=exc))
+
+        t = threading.Thread(target=loop, name="keepalive", daemon=True)
+        with inner:
+            t.start()
+            try:
+                yield
+            finally:
+                done.set()
+                t.join(KEEPALIVE_S)
 
     def _install_signals(self):
         def on_signal(signum, _frame):

@@ -111,6 +111,12 @@ class RolloutConfig(StrictModel):
     the dead member. librdkafka's 45000 held a three-node chaos run's prompts back ~45 s after each
     rollout kill (docs/reliability.md). The heartbeat runs on librdkafka's own thread, so a busy
     engine does not miss it; the broker's ``group.min.session.timeout.ms`` (6000) is the floor."""
+    slots: int = Field(0, ge=0, le=256)
+    """Static membership by slot (``producers.slots``): with N > 0 a worker takes the first free one of
+    N slot locks in ``<run_dir>/rollout-slots`` and joins as ``group.instance.id`` rollout-slot-<i>;
+    while all N are held it waits as a warm spare (engine built, weights followed) and takes the slot
+    of a worker that dies, with its partitions and no rebalance. 0 (the default): dynamic members.
+    ``job.rollout_standby`` sets it and runs one spare."""
     engine: EngineConfig = HFEngineConfig()
     """The generation engine: ``type`` = hf | vllm | openai | sim, or a plug-in ``package.module:Class``."""
     max_inflight: int = Field(32, ge=1, le=100_000)

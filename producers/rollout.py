@@ -40,7 +40,7 @@ from collections import deque
 from libs.chat import prompt_tokens
 from libs.engines import EngineContext, GenOutput, build_engine
 from pipeline.control import now_ms
-from pipeline.errors import DecodeError, DeliveryError
+from pipeline.errors import ConsumeError, DecodeError, DeliveryError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
@@ -52,6 +52,7 @@ from producers.envs import EnvContext, env_factory
 from producers.holding import SampleHold, StaleRestarts
 from producers.prompt_queue import PromptQueue
 from producers.sample import Sample
+from producers.slots import RolloutSlots, spare_once
 from producers.weights import WeightSync
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class RolloutWorker(Worker):
         self.k, self.G = cfg.rl.max_staleness, cfg.rl.groups_per_step
         self.engine, self.tokenizer = engine, tokenizer
         self.topics = {r: cfg.topics.name(r) for r in ("prompts", "rollouts", "dlq", "metrics")}
-        self.producer = self.consumer = self.weights = self.metrics = None
+        self.producer = self.consumer = self.weights = self.metrics = self.slots = None
         self.commits: PromptCommits | None = None
         """Prompt offsets: ledger, commits, rebalance bookkeeping (``producers.commits``)."""
         self.ready: deque[Sample] = deque()  # admitted, not started
@@ -80,6 +81,7 @@ class RolloutWorker(Worker):
         """Consumed prompt messages, not admitted yet (``rollout.queue_samples``)."""
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
         self._last_work = time.monotonic()
+        self._last_produced: float | None = None  # the ``produce_gap_s`` window: the stage's pauses
         pf = cfg.rollout.prefetch_samples
         self._prefetch = cfg.rollout.max_inflight if pf is None else pf
         """Admitted samples kept beyond the free slots (look-ahead)."""
@@ -117,20 +119,40 @@ class RolloutWorker(Worker):
             self.weights.wait_loadable(self.liveness.slow_op_s)
             self._load()
         self.commits = PromptCommits(self.metrics, cfg.kafka.request_timeout_s + 30, self.section)
-        cconf = {  # the user's kafka.consumer settings (in client_conf) win over these two
-            "heartbeat.interval.ms": self.rc.heartbeat_interval_ms,
-            "session.timeout.ms": self.rc.session_timeout_ms,
-            **client_conf(cfg, "rollout", wid, kind="consumer"),
-            "on_commit": self.commits.on_commit,
-        }
-        self.consumer = Consumer(cconf, group_id=self.rc.group_id)
-        self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
-        self.commits.subscribe(self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed)
+        self.slots = RolloutSlots.of(cfg)
+        if self.slots is None or self.slots.take() is not None:
+            self._join()
+        else:
+            log.info("spare: every rollout slot is held; waiting warm to take one over %s",
+                     kv(worker=wid, slots=self.slots.n))  # fmt: skip
         self._last_work = time.monotonic()  # idle time counts from here, not from construction
         log.info("rollout worker started %s", kv(worker=wid, engine=self.engine.name, version=self.engine.version))
 
+    def _join(self) -> None:
+        """Join the rollout group on rl.prompts: a dynamic member, or the static member of the slot
+        held (``producers.slots``)."""
+        cconf = {  # the user's kafka.consumer settings (in client_conf) win over these two
+            "heartbeat.interval.ms": self.rc.heartbeat_interval_ms,
+            "session.timeout.ms": self.rc.session_timeout_ms,
+            **client_conf(self.cfg, "rollout", self.worker_id, kind="consumer"),
+            "on_commit": self.commits.on_commit,
+        }
+        if self.slots is not None:
+            cconf["group.instance.id"] = self.slots.instance_id(self.slots.held)
+        self.consumer = Consumer(cconf, group_id=self.rc.group_id)
+        self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
+        self.commits.subscribe(self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed)
+
     def run_once(self) -> bool:
-        self._work_once(consume=True)
+        if self.consumer is None:  # a spare (rollout.slots): warm, until a slot is free
+            return spare_once(self)
+        try:
+            self._work_once(consume=True)
+        except ConsumeError as exc:
+            if self.slots is None or not Consumer.is_fenced_member(exc):
+                raise
+            self.slots.renew_fenced(self, exc)
+            return True
         idle = self.rc.exit_when_idle_s
         if idle and not self._busy() and time.monotonic() - self._last_work > idle:
             log.info("idle for %.1fs, stopping", idle)
@@ -144,6 +166,8 @@ class RolloutWorker(Worker):
         repeated trajectory_id): samples still unfinished when the budget ends, and every prompt if
         the broker does not acknowledge the trajectories in time (an outage; the queued ones are
         dropped, so the close does not wait for them either). A stop never waits out an outage."""
+        if self.consumer is None:  # a spare holds nothing
+            return
         try:
             unfinished = self._drain(lambda tp: True, budget_s=STOP_FLUSH_SHARE * self.liveness.shutdown_timeout_s)
         except DeliveryError as exc:
@@ -169,6 +193,8 @@ class RolloutWorker(Worker):
             if self.producer is not None:
                 self.producer.close(self.cfg.kafka.request_timeout_s)
         finally:
+            if self.slots is not None:  # after the consumer: a spare must not join beside it
+                self.slots.release()
             if self.weights is not None:
                 self.weights.close()
             self.env_steps.close()
@@ -227,8 +253,11 @@ class RolloutWorker(Worker):
         self.consumer.resume(paused - want_paused)
         room = self.queue.room(self._per_msg)  # messages that fit
         idle = not (self.running or self.env_steps or self.ready)  # a queue waiting for admission is idle too
+        wait_s = self.rc.poll_timeout_s if idle else 0.0
+        if wait_s and self.weights.wait_fetch(wait_s):  # new weights on the way: load them as soon as
+            wait_s = 0.0  # they are verified, not after a prompt poll (k = 0: bench trace, to generation)
         # consume even when full (partitions paused): it serves rebalance callbacks and max.poll.interval
-        msgs = self.consumer.consume(max(1, min(room, 100)), self.rc.poll_timeout_s if idle else 0.0)
+        msgs = self.consumer.consume(max(1, min(room, 100)), wait_s)
         if msgs:
             assigned = self.consumer.assignment()
         for msg in msgs:
@@ -401,7 +430,10 @@ class RolloutWorker(Worker):
         self.stats["trajectories"] += 1
         self.metrics.inc("trajectories")
         self.metrics.observe("gen_latency_ms", rec["gen_finished_at_ms"] - rec["gen_started_at_ms"])
-        self._last_work = time.monotonic()
+        self._last_work = now = time.monotonic()
+        if self._last_produced is not None:
+            self.metrics.observe("produce_gap_s", now - self._last_produced)
+        self._last_produced = now
 
     # -- weights ---------------------------------------------------------------------------------
     def _poll_weights(self) -> None:

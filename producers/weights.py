@@ -12,7 +12,9 @@ tried ``FETCH_TRIES`` times, ``RETRY_S`` (times the try) apart, even if a newer 
 meanwhile (a checkpoint may still be landing; the bound is a few seconds), then
 dead-lettered with its reason (``ControlFollower.reject``) and skipped: the worker keeps
 generating on the weights it has and loads the next good notice. Notices that are not plausible
-(a version that does not follow the newest, no uri) never get here (``pipeline.control``).
+(a version that does not follow the newest, no uri) or not written by the job's trainer (unsigned,
+a bad signature, a replaced trainer's epoch: ``pipeline.notice_auth``) never get here
+(``pipeline.control``).
 
 A notice whose format the engine does not declare in ``weight_formats``, or whose kind (``full``
 weights or a LoRA ``adapter``) it does not declare in ``weight_kinds``, is refused loudly
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from libs.engines.adapters import BaseModelMismatch
 from pipeline.control import ControlFollower, may_admit
@@ -68,6 +70,14 @@ class WeightSync:
     def pending(self) -> bool:
         """A newer version is being fetched, waits for a retry, or waits to be loaded."""
         return self._fetch is not None or self._retry is not None or self.loadable is not None
+
+    def wait_fetch(self, timeout: float) -> bool:
+        """If a fetch is in flight, wait up to ``timeout`` for it to end (``poll`` then promotes it);
+        False at once if none is. An idle worker waits on its next weights, not on new prompts."""
+        if self._fetch is None:
+            return False
+        wait([self._fetch[1]], timeout)
+        return True
 
     def catch_up(self, timeout: float) -> dict | None:
         """Read rl.control to its end; start fetching its newest notice if it is newer."""

@@ -106,6 +106,17 @@ class JobConfig(StrictModel):
     """Rollout worker processes."""
     reward_workers: int = Field(2, ge=1, le=256)
     """Reward worker processes."""
+    trainer_standby: bool = False
+    """Run a hot-standby trainer beside the trainer (``trainer-standby``, ``trainer.standby``): it
+    imports everything and waits on the checkpoint dir's lock, and takes over the moment the
+    trainer dies, so a trainer crash costs a checkpoint restore instead of a process start. Costs
+    one idle process (its imports' memory; it loads the model only when it takes over)."""
+    rollout_standby: bool = False
+    """Run a warm spare rollout worker (``rollout-spare``) and the rollout workers as static members
+    by slot (``rollout.slots``, ``producers.slots``): the spare builds its engine, follows the weights
+    and takes the slot of a worker that dies, partitions included, with no rebalance and no session
+    timeout. Costs one more process with the model loaded; a worker's clean stop also waits for the
+    spare (or its restart) to take its partitions over."""
     eval: bool = False
     """Run ``rlstream eval`` beside the pipeline (needs ``eval.source`` or ``dataset.held_out``)."""
     dataset: DatasetConfig | None = None

@@ -205,7 +205,9 @@ def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_re
 
     console = console or Console(stderr=True)
     j = cfg.job
-    roles = standard_roles(cfg, j.rollout_workers, j.reward_workers, j.metrics_port_base)
+    roles = standard_roles(
+        cfg, j.rollout_workers, j.reward_workers, j.metrics_port_base, j.trainer_standby, j.rollout_standby
+    )
     if j.eval:
         roles.append(
             RoleSpec(

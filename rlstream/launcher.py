@@ -37,12 +37,14 @@ from typing import Any
 from rich.markup import escape
 
 from consumers.tracking.worker import Tracker
+from consumers.trainer.state import has_checkpoint
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.config import dump_toml, with_settings
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
+from pipeline.notice_auth import ensure_key
 from pipeline.topology import stage_lags
 from rlstream.lease import JobLease
 from rlstream.progress import Progress, mean_reward, render
@@ -93,16 +95,38 @@ def role_config(cfg, run_dir: Path, name: str, settings: dict[str, Any]) -> Path
     return path
 
 
-def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_base: int = 0) -> list[RoleSpec]:
-    """feed, trainer, reward-i, rollout-i; with ``metrics_port_base`` Prometheus ports (``metrics_port``)."""
+STANDBY = "trainer-standby"
+"""The role name of the hot-standby trainer (``job.trainer_standby``)."""
+ROLLOUT_SPARE = "rollout-spare"
+"""The role name of the warm spare rollout worker (``job.rollout_standby``)."""
+
+
+def standard_roles(
+    cfg,
+    rollout_workers: int,
+    reward_workers: int,
+    metrics_port_base: int = 0,
+    trainer_standby: bool = False,
+    rollout_standby: bool = False,
+) -> list[RoleSpec]:
+    """feed, trainer, reward-i, rollout-i; with ``metrics_port_base`` Prometheus ports (``metrics_port``).
+    ``trainer_standby``: a second trainer process, ``trainer-standby``; both run with
+    ``trainer.standby``, so whichever holds the checkpoint dir trains and the other waits to take
+    over (a restarted trainer becomes the standby). Only the active one serves the metrics port.
+    ``rollout_standby``: rollout workers by slot (``rollout.slots``, static members) and a warm
+    spare, ``rollout-spare``, that takes the slot of a worker that dies (``producers.slots``; the
+    spare serves no metrics port)."""
 
     def port(role: str, i: int = 0) -> int:
         return metrics_port(metrics_port_base, role, i, rollout_workers, reward_workers)
 
+    standby = {"trainer.standby": True} if trainer_standby else {}
     roles = [
         RoleSpec("feed", "feed", may_exit=True),
-        RoleSpec("trainer", "train", may_exit=True, metrics_port=port("trainer")),
+        RoleSpec("trainer", "train", dict(standby), may_exit=True, metrics_port=port("trainer")),
     ]
+    if trainer_standby:
+        roles.append(RoleSpec(STANDBY, "train", dict(standby), may_exit=True, metrics_port=port("trainer")))
     roles += [
         # a stable worker id (hence transactional id) and static membership: a restarted reward worker
         # fences its dead predecessor's transaction at once and gets its partitions back without a rebalance
@@ -114,11 +138,38 @@ def standard_roles(cfg, rollout_workers: int, reward_workers: int, metrics_port_
         )
         for i in range(reward_workers)
     ]
+    slots = {"rollout.slots": rollout_workers} if rollout_standby else {}
     roles += [
-        RoleSpec(f"rollout-{i}", "rollout", {"rollout.worker_id": f"rollout-{i}"}, metrics_port=port("rollout", i))
+        RoleSpec(
+            f"rollout-{i}", "rollout", {"rollout.worker_id": f"rollout-{i}", **slots}, metrics_port=port("rollout", i)
+        )
         for i in range(rollout_workers)
     ]
+    if rollout_standby:
+        roles.append(RoleSpec(ROLLOUT_SPARE, "rollout", {"rollout.worker_id": ROLLOUT_SPARE, **slots}))
     return roles
+
+
+def hung_roles(
+    workers: dict, worker_of: dict[str, str], started: dict[str, float], now: float, hang_after_s: float
+) -> list[tuple[str, float]]:
+    """(role, seconds since its last MetricEvent) of each live role that is hung: its MetricEvents
+    stopped, after the first of its current process, while other roles' went on arriving for
+    ``hang_after_s``. While nobody's arrive (the brokers are away: a restart under load took 80 s)
+    the silence says nothing about the role, so it is not hung. ``workers``: the newest MetricEvent
+    per "role/worker_id" key; ``worker_of``: worker id -> role name; ``started``: role name -> wall
+    time its live process started (roles not in it are not alive)."""
+    newest = max((ev["timestamp_ms"] / 1000 for ev in workers.values()), default=0.0)
+    out = []
+    for key, ev in workers.items():
+        name = worker_of.get(key.split("/", 1)[1])
+        if name is None or name not in started:
+            continue
+        last = ev["timestamp_ms"] / 1000
+        silent = min(now, newest) - last  # how long the others went on while this one said nothing
+        if last > started[name] and silent > hang_after_s:  # not while (re)starting: setup may be long
+            out.append((name, now - last))
+    return out
 
 
 class Launcher:
@@ -141,6 +192,8 @@ class Launcher:
         self._worker_of = {self._worker_id(r): r.name for r in roles}
         self._trainer_done_at: float | None = None
         self._retired: list[str] = []
+        self._trained_at: float | None = None
+        """When a trainer process first finished its run (``_trained``)."""
 
     def _worker_id(self, r: RoleSpec) -> str:
         if r.command == "train":
@@ -156,6 +209,11 @@ class Launcher:
 
         ensure_topics(self.cfg)
         materialize(self.cfg.model)
+        if not self.cfg.checkpoint_store:  # spelled out: a tool run with -c config.toml under another
+            # RLSTREAM_RUN_DIR (env wins over the file) still finds the weights and the notice key
+            self.cfg = with_settings(self.cfg, {"checkpoint_store": self.cfg.store})
+        if not has_checkpoint(self.cfg):  # a fresh job signs its notices from the first: no reader sees
+            ensure_key(self.cfg.store)  # it keyless (a resumed job of an older rlstream stays unsigned)
         path = self.run_dir / "config.toml"
         path.write_text(dump_toml(self.cfg))
         self.config_path = path
@@ -262,9 +320,10 @@ class Launcher:
                 elif now - last_print > 10:
                     self.console.print(self._line(), highlight=False, soft_wrap=True)
                     last_print = now
-                if "trainer" in finished and self._final_eval_done(sup):
+                trained = self._trained(sup, set(finished), now)
+                if trained and self._final_eval_done(sup):
                     return "ok"
-                if "trainer" not in finished and (stalled := self.stall.verdict(time.time())):
+                if self._trained_at is None and (stalled := self.stall.verdict(time.time())):
                     say = f"[bold red]{escape(stalled)}[/]; stopping the job"
                     self.console.print(say, highlight=False, soft_wrap=True)
                     return f"failed: {stalled}"
@@ -283,6 +342,18 @@ class Launcher:
                 view.stop()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _trained(self, sup: Supervisor, finished: set[str], now: float) -> bool:
+        """A trainer process finished its run. With a standby (``job.trainer_standby``) either may
+        be the one; the other is then let end by itself (it takes the freed lock, sees the run done
+        and exits 0) before the job stops, for at most ``liveness.shutdown_timeout_s``: a SIGTERM in
+        the finisher's own teardown, after its signal handlers are gone, was an unclean stop."""
+        names = [r.name for r in self.roles if r.command == "train"]
+        if not finished & set(names):
+            return False
+        self._trained_at = self._trained_at or now
+        ended = all(n in finished or not sup.alive(n) for n in names)
+        return ended or now - self._trained_at > self.cfg.liveness.shutdown_timeout_s
+
     def _final_eval_done(self, sup: Supervisor) -> bool:
         """The trainer has finished: with an eval role, the run ends once it has evaluated the final
         version (its ``eval_final`` event). Meanwhile the roles that feed the trainer are stopped,
@@ -349,16 +420,11 @@ class Launcher:
         return path
 
     def _check_hangs(self, sup: Supervisor) -> None:
-        """A live role whose MetricEvents stopped (after this process's first) is hung: kill, restart."""
-        now = time.time()
-        for key, ev in list(self.progress.workers.items()):
-            name = self._worker_of.get(key.split("/", 1)[1])
-            if name is None or not sup.alive(name):
-                continue
-            started = now - (time.monotonic() - sup.children[name].started_at)
-            last = ev["timestamp_ms"] / 1000
-            if last > started and now - last > self.hang_after_s:  # not while (re)starting: setup may be long
-                sup.declare_hung(name, f"no metrics for {now - last:.0f} s")
+        """Kill and restart the roles ``hung_roles`` finds hung."""
+        now, mono = time.time(), time.monotonic()
+        started = {name: now - (mono - c.started_at) for name, c in sup.children.items() if sup.alive(name)}
+        for name, silent_s in hung_roles(self.progress.workers, self._worker_of, started, now, self.hang_after_s):
+            sup.declare_hung(name, f"no metrics for {silent_s:.0f} s")
 
     def _watch_lags(self, done: threading.Event) -> None:
         """Thread: refresh ``self.lags`` every 3 s (admin calls may block for their timeout while the
@@ -425,7 +491,8 @@ class Launcher:
         self.console.print(
             f"[bold]{escape(r['status'])}[/]: {r['steps_completed']} steps in {r['wall_time_s']} s; reward "
             f"{r['reward_first10_mean'] or 0:.3f} (first 10 steps) -> {r['reward_last10_mean'] or 0:.3f} "
-            f"(last 10); longest pause after the first step: trainer {pause['trainer']} s, reward {pause['reward']} s; "
+            f"(last 10); longest pause after the first step: trainer {pause['trainer']} s, reward {pause['reward']} s, "
+            f"rollout {pause['rollout']} s; "
             f"restarts {r.get('restarts_total', 0)}; report {self.run_dir / 'report.json'}; "
             f"plots {', '.join(p.name for p in plots)}",
             soft_wrap=True,

@@ -16,6 +16,10 @@ def mean_reward(steps: list[dict]) -> float | None:
     return sum(rewards) / len(rewards) if rewards else None
 
 
+GAP_METRICS = {"reward": "commit_gap_s_max", "rollout": "produce_gap_s_max"}
+"""Per stage, the MetricEvent field that holds its longest gap in the last window."""
+
+
 class Progress:
     """Folds rl.metrics into what the live view and the report need."""
 
@@ -26,8 +30,10 @@ class Progress:
         """version -> {reward_mean, pass_at_1, answers} from ``rlstream eval``."""
         self.final_eval: int | None = None
         """The newest version ``rlstream eval`` evaluated as a run's final one (``eval_final``)."""
-        self.reward_pause_s = 0.0
-        """The longest gap between two commits of one reward worker reported after the first step."""
+        self.pause_s = {"reward": 0.0, "rollout": 0.0}
+        """Per stage, the longest gap reported after the first step: between two commits of one
+        reward worker (``commit_gap_s``), between two trajectories of one rollout worker
+        (``produce_gap_s``)."""
 
     def add(self, ev: dict) -> None:
         key = f"{ev['role']}/{ev['worker_id']}"
@@ -39,13 +45,9 @@ class Progress:
             }  # fmt: skip
             if m.get("eval_final"):
                 self.final_eval = max(ev["version"], self.final_eval or 0)
-        if (
-            ev["role"] == "reward"
-            and "commit_gap_s_max" in m
-            and self.steps
-            and ev["timestamp_ms"] / 1000 > self.steps[0]["time"]
-        ):
-            self.reward_pause_s = max(self.reward_pause_s, float(m["commit_gap_s_max"]))
+        gap = GAP_METRICS.get(ev["role"])
+        if gap in m and self.steps and ev["timestamp_ms"] / 1000 > self.steps[0]["time"]:
+            self.pause_s[ev["role"]] = max(self.pause_s[ev["role"]], float(m[gap]))
         if ev["role"] == "trainer" and "step" in m and "reward_mean" in m:
             step = int(m["step"])
             if self.steps and self.steps[-1]["step"] >= step:
@@ -79,13 +81,18 @@ class Progress:
     def longest_pauses(self) -> dict:
         """The longest pause of each stage after the first trainer step, in seconds: ``trainer``
         (between two consecutive steps; ``trainer_before_step`` is the step that ended it) and
-        ``reward`` (between two commits of one reward worker, the ``commit_gap_s`` window). A
-        rebalance that takes a worker's partitions away for seconds shows here."""
+        ``reward`` (between two commits of one reward worker, the ``commit_gap_s`` window) and
+        ``rollout`` (between two trajectories of one rollout worker, ``produce_gap_s``). A rebalance
+        that takes a worker's partitions away for seconds shows here."""
         gap, before = 0.0, None
         for a, b in zip(self.steps, self.steps[1:], strict=False):
             if b["time"] - a["time"] > gap:
                 gap, before = b["time"] - a["time"], b["step"]
-        return {"trainer": round(gap, 2), "trainer_before_step": before, "reward": round(self.reward_pause_s, 2)}
+        return {
+            "trainer": round(gap, 2),
+            "trainer_before_step": before,
+            **{k: round(v, 2) for k, v in self.pause_s.items()},
+        }
 
     def eval_curve(self) -> list[list]:
         """[[version, mean reward, pass@1], ...] in version order."""

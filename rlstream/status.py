@@ -19,6 +19,7 @@ from pipeline import codec
 from pipeline.admin import Admin
 from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
+from pipeline.notice_auth import verified
 from pipeline.topology import STAGES, Topology
 from rlstream.stall import DeadLetters
 
@@ -63,10 +64,12 @@ class StatusReader:
                 continue
             if name == "WeightUpdate":
                 updates.append(rec)
-        latest = max(updates, key=lambda r: r["version"], default=None)
+        good = verified(self.cfg.store, updates)  # signed by the job's trainer (pipeline.notice_auth)
+        latest = max(good, key=lambda r: r["version"], default=None)
         return {
             "trainer_version": latest["version"] if latest else 0,
-            "weight_updates": len(updates),
+            "weight_updates": len(good),
+            "refused_updates": len(updates) - len(good),
             "latest_update": latest,
         }
 

@@ -219,6 +219,10 @@ class Supervisor:
             c.proc.wait()
         self._died(c, c.proc.returncode, time.monotonic(), f" (hung: {why})")
 
+    def name_of(self, pid: int | None) -> str | None:
+        """The name of the running child with this PID (None: no such child)."""
+        return next((n for n, c in self.children.items() if pid is not None and c.proc.pid == pid), None)
+
     def inject(self, name: str, sig: int = signal.SIGKILL, cause: str = "kill -9") -> int | None:
         """Send ``sig`` to a running child as a deliberate fault: its exit is recorded as ``injected``
         (not a crash) and it is restarted at the policy's base backoff without spending its

@@ -73,6 +73,53 @@ class RoleThread:
             raise AssertionError(f"{self.name} did not stop within {timeout} s")
 
 
+class Pipeline:
+    """Fed, then a reward worker, a rollout worker and the trainer as threads on ``cfg``'s topics (for
+    the control-plane tests, which write beside it): ``wait`` polls a condition, re-raising what
+    killed a role; ``join`` stops them all."""
+
+    def __init__(self, cfg):
+        from consumers.reward.worker import RewardWorker
+        from consumers.trainer.worker import Trainer
+        from producers import feed
+        from producers.rollout import RolloutWorker
+
+        feed.run(cfg)
+        self.trainer = Trainer(cfg, max_steps=100_000)
+        self.roles = [RoleThread("reward", RewardWorker(cfg).run), RoleThread("rollout", RolloutWorker(cfg).run)]
+        self.roles.append(RoleThread("trainer", self.trainer.run))
+
+    def wait(self, cond, what: str, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while not (got := cond()):
+            self.check()  # e.g. a rollout worker that died on a bad notice
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.5)
+        return got
+
+    def check(self) -> None:
+        for r in self.roles:
+            r.check()
+
+    def join(self) -> None:
+        for r in self.roles:
+            r.join()
+
+
+def forged_dead_letters(cfg, role: str | None = None) -> dict[str, tuple[str, str]]:
+    """``metadata["forged"]`` tag -> (error_type, reason) of the WeightUpdates on rl.dlq (dead-lettered
+    by ``role``, or by any)."""
+    from pipeline import codec
+    from tests.rollout_helpers import read_topic
+
+    out = {}
+    for _, dl in read_topic(cfg, "dlq", "DeadLetter"):
+        name, rec = codec.decode(dl["value"])
+        if name == "WeightUpdate" and "forged" in rec["metadata"] and role in (None, dl["role"]):
+            out.setdefault(rec["metadata"]["forged"], (dl["error_type"], dl["reason"]))
+    return out
+
+
 def run(cfg, steps: int, rollout_workers: int = 1, timeout: float = 900.0) -> dict:
     """Feed, then rollout + reward + trainer threads until the trainer has done ``steps`` steps.
     Returns ``{"trainer": Trainer, "rollout": [stats], "seconds": wall time}``."""

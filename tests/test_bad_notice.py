@@ -1,19 +1,20 @@
 """Issue 24 point 7: one bogus notice on rl.control must not brick a job. An independent writer (its
 own producer, ``pipeline.codec``; not the trainer) puts each kind of bad WeightUpdate on a running
 pipeline's control topic: no uri, a version far ahead, a version behind, a checkpoint that is not
-there, a sha256 that does not match. Each is dead-lettered on rl.dlq with its reason and skipped;
+there, a sha256 that does not match. The intruder signs them with the job's notice key (as a
+trainer with a bug would: an intruder without the key is tests/test_forged_notice.py), so they
+reach the checks behind the signature. Each is dead-lettered on rl.dlq with its reason and skipped;
 the rollout worker keeps generating, the trainer keeps stepping and versions keep advancing; a
 trainer restarted afterwards is not blocked by notices it did not write.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pipeline import codec
 from pipeline.kafka import Producer, client_conf
+from pipeline.notice_auth import epoch_of, load_key, sign
 from tests import rl_pipeline
 from tests.rollout_helpers import read_topic
 
@@ -30,49 +31,25 @@ def _newest(cfg) -> dict:
     return max(_notices(cfg), key=lambda u: u["version"])
 
 
-def _dead_letters(cfg) -> dict[str, tuple[str, str]]:
-    """forged kind -> (error_type, reason) of the dead-lettered notices the intruder wrote."""
-    out = {}
-    for _, dl in read_topic(cfg, "dlq", "DeadLetter"):
-        name, rec = codec.decode(dl["value"])
-        if name == "WeightUpdate" and "forged" in rec["metadata"]:
-            out.setdefault(rec["metadata"]["forged"], (dl["error_type"], dl["reason"]))
-    return out
-
-
 def test_bad_notices_are_dead_lettered_and_the_pipeline_keeps_moving(make_config, topic_prefix, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (see rl_pipeline.run)
 
-    from consumers.reward.worker import RewardWorker
     from consumers.trainer.worker import Trainer
-    from producers import feed
-    from producers.rollout import RolloutWorker
 
     task = rl_pipeline.write_task(tmp_path / "task.jsonl")
     # prompts for far more versions than the test waits for: the trainer steps about once a second
     # while the unverifiable notices are retried (2 s, 4 s), and a feed that runs dry stops the
     # versions the last wait counts on (CI on a loaded machine ran out at v192 with 40 steps' worth)
     cfg = make_config(*rl_pipeline.settings(task, topic_prefix, 2000, G=2, n=4, k=1))
-    feed.run(cfg)
-    trainer = Trainer(cfg, max_steps=100_000)
-    roles = [rl_pipeline.RoleThread("reward", RewardWorker(cfg).run)]
-    roles.append(rl_pipeline.RoleThread("rollout", RolloutWorker(cfg).run))
-    roles.append(rl_pipeline.RoleThread("trainer", trainer.run))
+    pipe = rl_pipeline.Pipeline(cfg)  # without the fix, the rollout worker dies on the first bad notice
+    trainer, wait = pipe.trainer, pipe.wait
     intruder = Producer(client_conf(cfg, "intruder", kind="producer"))
-
-    def wait(cond, what: str, timeout: float = 120.0):
-        deadline = time.monotonic() + timeout
-        while not (got := cond()):
-            for r in roles:
-                r.check()  # without the fix, the rollout worker dies on the first bad notice
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.5)
-        return got
 
     def forge(kind: str, **fields) -> None:
         """The intruder's notice: the trainer's newest one, changed, at the next version by default
         (read from the trainer in-process: the trainer publishes about a version a second here)."""
         rec = {**real, "metadata": {"forged": kind}, "trainer_id": "", "version": trainer.version + 1, **fields}
+        rec = sign(rec, key, epoch_of(real))  # past the signature check: the checks behind it
         intruder.produce_record(cfg.topics.name("control"), "WeightUpdate", rec, key=b"weights")
         intruder.flush(30)
 
@@ -88,12 +65,15 @@ def test_bad_notices_are_dead_lettered_and_the_pipeline_keeps_moving(make_config
     try:
         wait(lambda: trainer.version >= 2, "version 2")
         real = _newest(cfg)
+        key = load_key(cfg.store)
         for kind, (error_type, fields) in bad.items():
             for attempt in range(4):
                 tag = f"{kind}#{attempt}"
                 forge(tag, **fields)
                 try:
-                    got = wait(lambda t=tag: _dead_letters(cfg).get(t), f"the {kind} notice in rl.dlq", 20)
+                    got = wait(
+                        lambda t=tag: rl_pipeline.forged_dead_letters(cfg).get(t), f"the {kind} notice in rl.dlq", 20
+                    )
                 except AssertionError as exc:
                     if "timed out" not in str(exc):
                         raise
@@ -107,12 +87,10 @@ def test_bad_notices_are_dead_lettered_and_the_pipeline_keeps_moving(make_config
                 raise AssertionError(f"the {kind} notice never reached rl.dlq as {error_type}")
         at = trainer.version
         wait(lambda: trainer.version >= at + 2, f"two more versions after v{at}")
-        for r in roles:
-            r.check()
+        pipe.check()
     finally:
         intruder.close()
-        for r in roles:
-            r.join()
+        pipe.join()
     # versions kept advancing in order: every notice the trainer wrote is there, none skipped
     versions = [u["version"] for u in _notices(cfg)]
     assert versions == list(range(1, versions[-1] + 1)) and versions[-1] >= at + 2

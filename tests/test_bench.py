@@ -164,3 +164,73 @@ def test_sigterm_stops_the_bench_roles_and_its_own_broker(cli_env, tmp_path):
         time.sleep(0.5)
     assert not pid_alive(broker), "the bench's broker outlived it"
     assert "broker stopped" in log.read_text()
+
+
+@pytest.mark.bench
+def test_bench_peer_tiny(cli_env, kafka_bootstrap, tmp_path):
+    """`rlstream bench peer --size tiny`: TRL's GRPOTrainer and rlstream k = 0, 1, 2 on next-digit,
+    in turn, from the same weights; well-formed figures and a docs block (no timing asserted)."""
+    pytest.importorskip("trl", reason="rlstream bench peer needs TRL: pip install -e '.[peer]'")
+    out, docs = tmp_path / "bench", tmp_path / "benchmarks.md"
+    run_cli(
+        ["bench", "peer", "--size", "tiny", "--bootstrap", kafka_bootstrap, "--out", str(out), "--docs", str(docs)],
+        cli_env,
+        timeout=1200,  # a guard against a hang: ~3-4 min quiet
+    )
+    p = json.loads((out / "peer.json").read_text())
+    assert [r["arm"] for r in p["runs"]] == ["trl", "rlstream k=0", "rlstream k=1", "rlstream k=2"]
+    for r in p["runs"]:
+        assert r["status"] in ("ok", "finished"), r
+        assert r["steps"] == p["steps"] and r["samples_trained"] > 0
+        for key in ("time_to_steps_s", "first_step_s", "samples_per_cpu_s", "longest_pause_s", "cpu_s"):
+            assert positive(r[key]), (key, r)
+        assert r["time_to_steps_s"] >= r["first_step_s"]
+        assert r["weights"] == p["weights"]["digest"]  # TRL: what it loaded; rlstream: the same directory
+    trl = p["runs"][0]
+    assert trl["weights_rlstream_loader"] == trl["weights"]
+    assert all(r["stage_pause_s"] is not None for r in p["runs"][1:])
+    assert [m["arm"] for m in p["medians"]] == [r["arm"] for r in p["runs"]]
+    assert p["ratio_best_over_trl"] is not None and positive(p["ratio_best_over_trl"]["time_to_steps_s"])
+    assert Path(p["plots"][0]).stat().st_size > 1000
+    text = docs.read_text()
+    assert "<!-- bench:peer -->" in text and "| arm (median) |" in text and "img/bench/peer.png" in text
+
+
+@pytest.mark.bench
+def test_bench_trace_tiny(cli_env, kafka_bootstrap, tmp_path):
+    """`rlstream bench trace --size tiny`: a k = 0 next-digit job, and per traced step the hops
+    round the loop, which add up to the step interval (no timing asserted)."""
+    from rlstream.dev.bench.step_trace import HOPS
+
+    out, docs = tmp_path / "bench", tmp_path / "benchmarks.md"
+    run_cli(
+        ["bench", "trace", "--size", "tiny", "--bootstrap", kafka_bootstrap, "--out", str(out), "--docs", str(docs)],
+        cli_env,
+        timeout=900,  # a guard against a hang: ~1 min quiet
+    )
+    t = json.loads((out / "summary.json").read_text())["results"]["trace"]
+    assert t["status"] == "finished" and len(t["rows"]) >= t["steps"] - 4, t["status"]
+    for r in t["rows"]:
+        assert abs(sum(r[h] for h in HOPS) - r["interval_ms"]) < 1.0, r  # one host's clock: exact
+        assert r["interval_ms"] > 0 and r["optimizer"] > 0 and r["generation"] >= 0, r
+    assert "<!-- bench:trace -->" in docs.read_text() and "| hop of a k = 0 step (ms) |" in docs.read_text()
+
+
+def test_bench_peer_without_trl_says_how_to_install(tmp_path):
+    """Without TRL (the peer extra), `rlstream bench peer` stops before it starts anything, naming
+    the install line."""
+    import importlib.util
+    import os
+    import subprocess
+
+    from tests.conftest import rlstream_cmd
+
+    if importlib.util.find_spec("trl") is not None:
+        pytest.skip("TRL is installed here: the message is shown only without it")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
+    env["RLSTREAM_HOME"] = str(tmp_path / "home")
+    args = [*rlstream_cmd(), "bench", "peer", "--size", "tiny", "--out", str(tmp_path / "b")]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "pip install trl==1.16.0" in proc.stdout + proc.stderr
+    assert "broker" not in (proc.stdout + proc.stderr).lower()  # none was started

@@ -62,6 +62,29 @@ def test_dump_toml_round_trips(tmp_path):
     assert again == cfg
 
 
+def test_a_none_whose_default_is_not_none_survives_the_config_file(tmp_path):
+    """TOML has no null: a None left out of the file read back as the default (the launcher hands
+    every role the job's config as a file, so a job built in code with an uncapped decoupled PPO
+    trained with the cap of 5). It is written, and may be set, as "none"."""
+    from pipeline.config import with_settings
+
+    cfg = load_config(None, ['trainer.loss={type="decoupled_ppo"}'], environ={})
+    assert cfg.trainer.loss.behav_weight_cap == 5.0
+    uncapped = with_settings(cfg, {"trainer.loss.behav_weight_cap": None})
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(uncapped))
+    assert load_config(str(path), [], environ={}).trainer.loss.behav_weight_cap is None
+    assert (
+        load_config(str(path), ["trainer.loss.behav_weight_cap=2.5"], environ={}).trainer.loss.behav_weight_cap == 2.5
+    )
+    cli = load_config(None, ['trainer.loss={type="decoupled_ppo"}', "trainer.loss.behav_weight_cap=none"], environ={})
+    assert cli.trainer.loss.behav_weight_cap is None
+    with pytest.raises(ConfigError, match=r'behav_weight_cap.*"none" for none'):  # any other word: an error
+        load_config(None, ['trainer.loss={type="decoupled_ppo"}', "trainer.loss.behav_weight_cap=off"], environ={})
+    servers = load_config(None, ["kafka.bootstrap_servers=none"], environ={}).kafka.bootstrap_servers
+    assert servers == "none"  # a setting that takes a string keeps the word
+
+
 def test_partial_union_table_keeps_default_type():
     cfg = load_config(overrides=["model.hidden_size=64", "rollout.engine.device=cpu"], environ={})
     assert cfg.model.type == "tiny" and cfg.model.hidden_size == 64

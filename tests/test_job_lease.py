@@ -108,7 +108,7 @@ def refused_launch(env: dict, steps: int, rate: float) -> tuple[list[str], float
 
 def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unharmed(job_env, tmp_path):
     cli_env, name = job_env, job_env["RLSTREAM_JOB__NAME"]
-    steps, rate = 16, 4  # paced at 0.5 steps/s: the first run lives well past the second launches
+    steps, rate = 16, 3  # paced at 0.375 steps/s: the first run lives well past the second launches
     run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / name
     out1 = tmp_path / "run1.out"
     elsewhere = {**cli_env, "RLSTREAM_RUN_DIR": str(tmp_path / "elsewhere")}  # as from another machine's disk
@@ -124,7 +124,9 @@ def test_a_second_launch_of_a_running_job_is_refused_and_the_first_finishes_unha
             assert f"pid {first.pid} on host {socket.gethostname()} since " in lines[0], lines
             assert elapsed < 60, f"refused only after {elapsed:.0f} s"
         assert still_running, "the first run ended before the others were refused: nothing was tested"
-        assert {p: p.stat().st_mtime_ns for p in written} == written and not (run_dir / "report.json").exists()
+        # the refused launches wrote nothing (the report is the first run's: its run_id, below; it may
+        # be written already, while the first run's process tears down, on a loaded machine: CI)
+        assert {p: p.stat().st_mtime_ns for p in written} == written
         assert first.wait(900) == 0, out1.read_text()[-3000:]
 
     report = json.loads((run_dir / "report.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 from confluent_kafka import KafkaError
 
 from pipeline.admin import Admin
-from pipeline.errors import KafkaClientError
+from pipeline.errors import ConsumeError, KafkaClientError
 from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, WedgedClient, client_conf
 
 pytestmark = pytest.mark.kafka
@@ -319,3 +319,40 @@ def test_a_broker_handle_dropped_with_its_node_is_transient():
 
     assert is_transient(err(KafkaError._DESTROY_BROKER)) and is_transient(err(KafkaError._TRANSPORT))
     assert not is_transient(err(KafkaError._DESTROY))
+
+
+def test_a_failure_from_a_fenced_static_member_asks_for_a_new_consumer(stage):
+    """The CI race of the reward worker's fencing test, made certain: a static member whose
+    registration another consumer took has its transaction fail (FENCED_INSTANCE_ID on the offsets)
+    and cannot seek back either (its client is in a fatal state). The rewind then says "fenced
+    member" (``Consumer.is_fenced_member``), which the worker answers by replacing its consumer,
+    instead of an erroneous-state error that ended it."""
+    cfg, src, dst, group = stage
+    static = {"group.instance.id": "m0", "session.timeout.ms": 10000}
+    consumer = Consumer({**client_conf(cfg, "test", kind="consumer"), **static}, group_id=group)
+    consumer.subscribe([src])
+    loop = make_loop(cfg, consumer, f"{group}-tid", Events())
+    intruder = Consumer({**client_conf(cfg, "intruder", kind="consumer"), **static}, group_id=group)
+    try:
+        batch = read_batch(consumer, 4)
+        intruder.subscribe([src])
+        deadline = time.monotonic() + 120
+        while not (intruder.poll(0.2) is None and intruder.assignment()):
+            assert time.monotonic() < deadline, "the intruder was never assigned"
+        fenced = None
+        while fenced is None:  # the member's next heartbeat finds its registration taken
+            assert time.monotonic() < deadline, "the member was never fenced"
+            try:
+                consumer.poll(0.5)
+            except ConsumeError as exc:
+                fenced = exc
+        assert Consumer.is_fenced_member(fenced), fenced
+        with pytest.raises(ConsumeError) as info:
+            loop.write(batch, copy_into(loop, dst, batch))
+        assert Consumer.is_fenced_member(info.value), info.value
+    finally:
+        intruder.close()
+        loop.close_committer(True)
+        consumer.close()
+        loop.close_producer(True)
+    assert read_output(cfg, dst) == []  # the failed transaction left nothing visible

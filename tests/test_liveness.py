@@ -303,8 +303,11 @@ def test_roles_started_before_their_topics_wait_for_them(make_config, cli_env, t
                                   stdout=logs["train"], stderr=subprocess.STDOUT),
     }  # fmt: skip
     try:
-        time.sleep(8)  # both are up and waiting: the topics do not exist yet
-        assert all(p.poll() is None for p in procs.values()), (tmp_path / "train.log").read_text()[-3000:]
+        deadline = time.monotonic() + 300  # both up and waiting (the topics do not exist yet): their
+        while not all("waiting for" in (tmp_path / f"{n}.log").read_text() for n in procs):  # start-up
+            assert all(p.poll() is None for p in procs.values()), (tmp_path / "train.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the roles never said they were waiting for their topics"
+            time.sleep(0.5)  # (imports) takes 5-60 s with the machine's load: waited on, not slept
         ensure_topics(cfg)
         with Producer(client_conf(cfg, "test", kind="producer")) as p:
             for g in range(2):
@@ -421,3 +424,37 @@ def test_scoring_goes_on_through_a_broker_restart_exactly_once(tmp_path):
         assert restarts == 0, (tmp_path / "logs" / "reward-0.log").read_text()[-3000:]  # ridden out in-process
     finally:
         broker.stop(progress=lambda m: None)
+
+
+def test_a_declared_section_keeps_a_role_with_a_keepalive_hook_visibly_alive(monkeypatch):
+    """Inside a declared long section (e.g. a transactional producer replaced while its coordinator
+    recovers) the main loop publishes nothing; the keepalive hook runs from a thread meanwhile, so a
+    supervisor that watches metrics does not take the wait for a hang. Outside a section it is not
+    called, and a role without the hook gets no thread."""
+    import pipeline.worker as worker_mod
+    from pipeline.worker import Worker
+    from rlstream.config import load_config
+
+    monkeypatch.setattr(worker_mod, "KEEPALIVE_S", 0.05)
+    calls: list[str] = []
+
+    class Waiting(Worker):
+        role = "test"
+
+        def keepalive(self):
+            calls.append(threading.current_thread().name)
+
+        def run_once(self):
+            with self.section("a long declared wait", 60):
+                deadline = time.monotonic() + 120
+                while len(calls) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return False
+
+    w = Waiting(load_config(None, []))
+    w.run()
+    assert len(calls) >= 3 and set(calls) == {"keepalive"}
+    after = len(calls)
+    time.sleep(0.3)
+    assert len(calls) == after  # the thread ended with the section
+    assert not [t for t in threading.enumerate() if t.name == "keepalive"]

@@ -29,9 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def running(worker: RewardWorker):
-    """Run ``worker`` in a thread; on exit stop it and re-raise what it raised."""
+def in_thread(worker: RewardWorker) -> tuple[threading.Thread, list[BaseException]]:
+    """``worker.run()`` on a started daemon thread; what it raised lands in the list."""
     errors: list[BaseException] = []
 
     def target():
@@ -42,6 +41,13 @@ def running(worker: RewardWorker):
 
     t = threading.Thread(target=target, daemon=True)
     t.start()
+    return t, errors
+
+
+@contextmanager
+def running(worker: RewardWorker):
+    """Run ``worker`` in a thread; on exit stop it and re-raise what it raised."""
+    t, errors = in_thread(worker)
     try:
         yield errors
     finally:

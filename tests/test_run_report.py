@@ -104,6 +104,11 @@ def reward_event(worker: str, ts: int, gap_max: float) -> dict:
     return {"role": "reward", "worker_id": worker, "version": -1, "timestamp_ms": ts, "metrics": m, "labels": {}}
 
 
+def rollout_event(worker: str, ts: int, gap_max: float) -> dict:
+    m = {"trajectories": 8.0, "produce_gap_s_count": 8.0, "produce_gap_s_max": gap_max}
+    return {"role": "rollout", "worker_id": worker, "version": 1, "timestamp_ms": ts, "metrics": m, "labels": {}}
+
+
 def test_the_report_gives_each_stages_longest_pause_after_the_first_step(tmp_path):
     """Issue 25: a rebalance that takes a reward worker's partitions away for seconds shows as the
     reward stage's longest commit gap and the trainer's longest gap between steps; what happened
@@ -118,17 +123,19 @@ def test_the_report_gives_each_stages_longest_pause_after_the_first_step(tmp_pat
     launcher = Launcher(cfg, tmp_path, [], title="t", live=False, console=Console(file=out, width=400))
     p = launcher.progress
     p.add(reward_event("reward-0", 500, 30.0))  # before the first step: start-up, not a pause
+    p.add(rollout_event("rollout-0", 600, 25.0))
     p.add(trainer_event(1, 0.5, 1000))
     p.add(trainer_event(2, 0.5, 1500))
     p.add(reward_event("reward-0", 2000, 0.4))
     p.add(reward_event("reward-1", 12000, 11.5))  # the partitions came back 11.5 s later
     p.add(trainer_event(3, 0.5, 13300))
     p.add(trainer_event(4, 0.5, 13800))
-    assert p.longest_pauses() == {"trainer": 11.8, "trainer_before_step": 3, "reward": 11.5}
+    p.add(rollout_event("rollout-0", 14000, 2.5))
+    assert p.longest_pauses() == {"trainer": 11.8, "trainer_before_step": 3, "reward": 11.5, "rollout": 2.5}
     launcher.report = {"status": "ok"}
     launcher.finish_report({})
     assert json.loads((tmp_path / "report.json").read_text())["longest_pause_s"]["trainer"] == 11.8
-    assert "longest pause after the first step: trainer 11.8 s, reward 11.5 s" in out.getvalue()
+    assert "longest pause after the first step: trainer 11.8 s, reward 11.5 s, rollout 2.5 s" in out.getvalue()
 
 
 def test_the_reward_worker_reports_the_gap_between_its_commits():

@@ -122,6 +122,11 @@ class TrainerConfig(StrictModel):
     resume uses the offsets in the trainer checkpoint)."""
     trainer_id: str = "trainer-0"
     """Stable name of this trainer in WeightUpdates, metrics and client ids."""
+    standby: bool = False
+    """Wait as a hot standby while another trainer holds the checkpoint dir, instead of exiting:
+    everything is imported, and the moment the holder dies (its lock is freed by the OS, kill -9
+    included) this process takes over from the newest checkpoint. ``job.trainer_standby`` runs one
+    beside the trainer. One process per trainer only (not under torchrun / deepspeed)."""
     lr: float = Field(1e-4, gt=0, le=1.0)
     """Learning rate (after warmup)."""
     engine: EngineConfig = TorchEngineConfig()

@@ -133,7 +133,8 @@ class DecoupledPPOLossConfig(_LossBase):
     eps_high: float = Field(0.2, ge=0, le=10.0)
     """Clipped above at 1 + eps_high."""
     behav_weight_cap: float | None = Field(5.0, gt=0)
-    """Tokens whose behaviour weight pi_prox / pi_behaviour exceeds this get weight 0; None: uncapped."""
+    """Tokens whose behaviour weight pi_prox / pi_behaviour exceeds this get weight 0; None
+    (``"none"`` in a config file or ``--set``): uncapped."""
 
 
 class CISPOLossConfig(_LossBase):

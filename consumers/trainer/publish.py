@@ -9,7 +9,8 @@ model directory, announced as ``metadata["hf_dir"]``. LoRA (``trainer.lora``) wr
 adapter in PEFT's layout (``kind = "adapter"``, with its rank, alpha, target modules and the
 fingerprint of the base model it was trained on). Either way every file is completely written
 before the notice exists, and the notice carries the trainer's consumed-group count
-(``consumed_groups``, admission control: pipeline.control).
+(``consumed_groups``, admission control: pipeline.control). ``start_signer``: the signer of this
+start's notices (the job's notice key and a new writer epoch: ``pipeline.notice_auth``).
 
 What this is not: the order of the checkpoint protocol (``worker.Trainer._checkpoint``) nor the
 publishing call itself (``pipeline.control.publish_weight_update``).
@@ -17,13 +18,25 @@ publishing call itself (``pipeline.control.publish_weight_update``).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from pipeline.checkpoint import FORMAT, version_dir, weights_format, write_adapter, write_hf_files, write_weights
+from pipeline.checkpoint import (
+    FORMAT,
+    notice_key_uri,
+    version_dir,
+    weights_format,
+    write_adapter,
+    write_hf_files,
+    write_weights,
+)
 from pipeline.control import now_ms
 from pipeline.errors import RlstreamError
+from pipeline.log import kv
+from pipeline.notice_auth import NoticeSigner, is_signed
 from pipeline.records import HF_DIR_KEY, adapter_fields
 
+log = logging.getLogger(__name__)
 """``WeightUpdate.metadata`` key naming the version's HF model directory (``trainer.publish_hf``)."""
 
 
@@ -77,3 +90,18 @@ def write_version(
         update["format"] = weights_format(uri)
     update.update(uri=uri, sha256=sha, bytes=nbytes, created_at_ms=now_ms())
     return update
+
+
+def start_signer(store: str, ptr: dict | None) -> NoticeSigner | None:
+    """This start's notice signer (``pipeline.notice_auth``): the job's key, created by a trainer
+    that starts afresh, and a new writer epoch. A trainer resuming a checkpoint of an older rlstream
+    (unsigned notices, no key in the store) keeps publishing unsigned notices, with a warning."""
+    signer = NoticeSigner.start(store, create=ptr is None)
+    if signer is None and is_signed((ptr or {}).get("update") or {}):
+        raise RlstreamError(
+            f"this job signs its weight notices but its notice key {notice_key_uri(store)} is gone: restore it "
+            "(readers refuse notices signed with another key), or start afresh"
+        )
+    if signer is None:
+        log.warning("this job's notices stay unsigned: it was started by an older rlstream %s", kv(store=store))
+    return signer

@@ -21,7 +21,6 @@ Not the published weights: those go to ``cfg.store`` via ``pipeline.checkpoint.w
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ from consumers.trainer.engines.base import broadcast_object
 from pipeline.checkpoint import atomic_write_bytes
 from pipeline.errors import CheckpointDamaged, RlstreamError
 from pipeline.log import kv
+from pipeline.pidlock import PidLock
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +45,25 @@ class TrainerCheckpoints:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.ckpts = self.root / "ckpts"
+        self._lock = PidLock(self.root / ".lock")
 
     def lock(self):
         """Hold an exclusive lock on the directory (``.lock``); RlstreamError if another trainer has it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        f = open(self.root / ".lock", "a+")  # held until unlock()
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise RlstreamError(f"another trainer is using {self.root} (its .lock is held)") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        f = self.try_lock()
+        if f is None:
+            raise RlstreamError(f"another trainer is using {self.root} (its .lock is held)")
         return f
 
-    @staticmethod
-    def unlock(handle) -> None:
-        if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
+    def try_lock(self):
+        """The lock's handle, or None while another trainer holds it (the OS frees it when that
+        process dies, kill -9 included). The holder's PID is written into the file (``holder``)."""
+        return self._lock.try_lock()
+
+    def holder(self) -> int | None:
+        """PID of the trainer that last took the lock, if that process is alive (None otherwise)."""
+        return self._lock.holder()
+
+    unlock = staticmethod(PidLock.unlock)
 
     def read_pointer(self) -> dict | None:
         p = self.root / POINTER
@@ -190,6 +188,16 @@ class TrainerCheckpoints:
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d.name)
         return gone
+
+
+def trainer_root(cfg) -> Path:
+    """The trainer's checkpoint directory: ``trainer.checkpoint_dir``, else ``<run_dir>/trainer``."""
+    return Path(cfg.trainer.checkpoint_dir or Path(cfg.run_dir) / "trainer")
+
+
+def has_checkpoint(cfg) -> bool:
+    """The job's trainer has written a checkpoint pointer (damaged or not): the job is not fresh."""
+    return (trainer_root(cfg) / POINTER).exists()
 
 
 def read_steps_log(root: Path) -> list[dict]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from consumers.trainer.accounting import account_step
 from consumers.trainer.advantages import build_advantage
@@ -36,9 +35,10 @@ from consumers.trainer.batch import informative, plan_step, sample_from_record
 from consumers.trainer.engines import TrainContext, build_engine
 from consumers.trainer.engines.base import barrier, broadcast_object, close_dist, dist_env
 from consumers.trainer.losses import LossFn
-from consumers.trainer.publish import write_version
+from consumers.trainer.publish import start_signer, write_version
 from consumers.trainer.selection import ArrivalSelector, ScheduleSelector, SequenceSelector
-from consumers.trainer.state import TrainerCheckpoints, restore
+from consumers.trainer.standby import wait_for_lock
+from consumers.trainer.state import TrainerCheckpoints, restore, trainer_root
 from consumers.trainer.step import train_samples
 from pipeline.checkpoint import gc_versions, model_fingerprint, read_bytes_verified, write_weights
 from pipeline.control import ControlFollower, now_ms, publish_progress, publish_weight_update
@@ -47,6 +47,7 @@ from pipeline.kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition,
 from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from pipeline.models import load_model, materialize
+from pipeline.notice_auth import NoticeSigner
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -73,18 +74,28 @@ class Trainer(Worker):
                 "producers admit groups by the published version, so a larger interval would deadlock"
             )
         self.rank, self.world, _ = dist_env()
-        self.root = Path(tc.checkpoint_dir or Path(cfg.run_dir) / "trainer")
+        if tc.standby and self.world > 1:
+            raise ConfigError("trainer.standby: one process per trainer only (not under torchrun or deepspeed)")
+        self.root = trainer_root(cfg)
         self.ckpts = TrainerCheckpoints(self.root)
         self._lock = None
         self.producer = self.consumer = self.metrics = None
         self.step = self.version = 0
         self._closed = False
         self._last_commit: list | None = None  # the floors last committed to the consumer group
+        self.signer: NoticeSigner | None = None  # signs this trainer's notices (pipeline.notice_auth)
+
+    def wait_turn(self) -> None:
+        """One trainer per checkpoint dir: its lock, which the OS frees on kill -9. A standby
+        (``trainer.standby``) waits here for it (``standby.wait_for_lock``)."""
+        if self.rank == 0 and self.tc.standby:  # else setup takes the lock, or fails at once if held
+            self._lock = wait_for_lock(self)
 
     def setup(self) -> None:
         cfg, tc = self.cfg, self.tc
         if self.rank == 0:
-            self._lock = self.ckpts.lock()  # one trainer per dir; the OS frees it on kill -9
+            if self._lock is None:
+                self._lock = self.ckpts.lock()
             self.write_resolved("trainer")
         model_dir = materialize(cfg.model)
         self.engine = build_engine(tc.engine, TrainContext(model_dir, tc))
@@ -171,7 +182,9 @@ class Trainer(Worker):
 
     def _reconcile_control(self, ptr: dict | None) -> None:
         """Make rl.control agree with the checkpoint: re-publish its notice if a crash came before it.
-        Only this trainer's own notices count (``writer``): one it did not write never blocks it."""
+        Only this trainer's own notices count (``writer``, and signed with the job's notice key by
+        this trainer: ``pipeline.notice_auth``): one it did not write never blocks it."""
+        self.signer = start_signer(self.cfg.store, ptr)
         follower = ControlFollower(self.cfg, "trainer", self.tc.trainer_id, writer=self.tc.trainer_id)
         try:
             latest = follower.catch_up(self.liveness.startup_timeout_s)
@@ -196,10 +209,13 @@ class Trainer(Worker):
                 "job.name; `rlstream -c <config> topics delete` removes the old topics)"
             )
         if published < self.version:
-            update = ptr["update"]
+            update = self._signed(ptr["update"])  # this start's writer epoch
             read_bytes_verified(update["uri"], update["sha256"])
             publish_weight_update(self.producer, self.cfg.topics.name("control"), update, self.liveness.outage_s)
             log.info("re-published weight update after restart %s", kv(version=update["version"]))
+
+    def _signed(self, update: dict) -> dict:
+        return self.signer.sign(update) if self.signer is not None else update
 
     def _ingest(self, msgs) -> None:
         now = time.monotonic()
@@ -269,7 +285,7 @@ class Trainer(Worker):
         if progress > self._progress_sent:
             publish_progress(
                 self.producer, self.cfg.topics.name("control"), pub_version, progress, self.tc.trainer_id,
-                self.liveness.outage_s,
+                self.liveness.outage_s, self.signer.sign if self.signer is not None else None,
             )  # fmt: skip
             self._progress_sent = progress
             self.metrics.set("admission_consumed_groups", progress)
@@ -374,6 +390,7 @@ class Trainer(Worker):
                 self.engine, sd, self.cfg.store, self.version, self.step, self.tc, self.consumed, self._base_sha,
                 write_full=write_weights,  # looked up here, so rlstream.dev.bench.trainer_steps can time it
             )  # fmt: skip
+            update = self._signed(update)
             self.metrics.set("weights_write_ms", (time.monotonic() - t0) * 1e3)
         del sd
         t1 = time.monotonic()

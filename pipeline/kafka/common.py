@@ -257,6 +257,14 @@ def uncertain(exc: BaseException) -> bool:
 _FENCED_CODES = frozenset({KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError._FENCED})
 
 
+def fenced_member(exc: BaseException) -> bool:
+    """A transaction failed because its offsets carried a static membership that another consumer
+    with the same ``group.instance.id`` has taken (FENCED_INSTANCE_ID): the consumer is fenced as
+    well, and only its replacement can read on."""
+    err = _kafka_error(exc)
+    return err is not None and err.code() == KafkaError.FENCED_INSTANCE_ID
+
+
 def recoverable_fatal(exc: BaseException) -> bool:
     """``exc`` is a fatal error of a transactional producer that a new producer with the same
     transactional id recovers from, in-process (what a restart would do): not a fencing (another

@@ -50,8 +50,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.errors import KafkaClientError
-from pipeline.kafka.common import next_offsets, recoverable_fatal, uncertain
+from pipeline.errors import ConsumeError, KafkaClientError
+from pipeline.kafka.common import fenced_member, next_offsets, recoverable_fatal, uncertain
 from pipeline.kafka.consumer import Consumer
 from pipeline.kafka.producer import Producer
 from pipeline.log import kv
@@ -61,7 +61,20 @@ log = logging.getLogger(__name__)
 MAX_REPLACEMENTS, REPLACE_WINDOW_S = 5, 600.0
 """More producer replacements than this within the window: raise (a restart is due)."""
 COMMIT_ATTEMPTS = 10
+INIT_SLICE_S = 10.0
+"""A replacement's init_transactions runs in calls this long (each resumes the last), so that a
+stop that comes while the coordinator is away is seen within this time."""
+STOP_MARGIN_S = 8.0
+"""Of the stop bound, what a replacement while stopping leaves for closing the clients."""
 """Attempts of ``commit_transaction`` on a retriable error before the transaction is aborted."""
+
+
+class _StopDuringReplace(Exception):
+    """A stop came while a replacement waited for the coordinator (``left``: seconds of its bound)."""
+
+    def __init__(self, left: float):
+        super().__init__(f"stop during a producer replacement ({left:.0f} s left)")
+        self.left = left
 
 
 def _unwatched(what: str, seconds: float):
@@ -115,6 +128,7 @@ class ExactlyOnceLoop:
         committed: Callable[[Any, float], None] = _nothing,
         aborted: Callable[[Exception], None] = _nothing,
         replaced: Callable[[Exception], None] = _nothing,
+        stop_left: Callable[[], float | None] = lambda: None,
         chaos_delay_s: float = 0.0,
         worker_id: str = "",
     ):
@@ -124,6 +138,9 @@ class ExactlyOnceLoop:
         self._pconf = producer_conf
         self._section, self._retry = section, retry
         self._hooks = {"committed": committed, "aborted": aborted, "replaced": replaced}
+        self._stop_left = stop_left
+        """Seconds left of the caller's stop bound (None: not stopping): a replacement then gets a
+        bounded try instead of the patient one."""
         self.request_timeout_s, self.watchdog_s, self.outage_s = request_timeout_s, watchdog_s, outage_s
         self.chaos_delay_s = chaos_delay_s
         # The watchdog's limit of one transaction call: the last resort behind the wrapper's own bound
@@ -178,8 +195,47 @@ class ExactlyOnceLoop:
         old, self.producer = self.producer, None
         if old is not None:
             old.retire()  # never touched again: its requests are fenced by the new epoch
-        with self._section("replace producer", self.outage_s + 60):
-            self.start()
+        left = self._stop_left()
+        if left is not None:
+            return self._fence_while_stopping(left - STOP_MARGIN_S)
+        producer = self.producer = Producer(self._pconf, transactional_id=self.transactional_id)
+
+        def attempt():  # in slices (a timed-out init_transactions resumes), so a stop meanwhile is seen
+            if (left := self._stop_left()) is not None:
+                raise _StopDuringReplace(left)
+            producer.init_transactions(min(self.init_s, INIT_SLICE_S))
+
+        try:
+            with self._section("replace producer", self.outage_s + 60):
+                self._retry(attempt, "init_transactions")
+        except _StopDuringReplace as stop:
+            self.producer = None
+            self._fence_while_stopping(stop.left - STOP_MARGIN_S, producer)
+
+    def _fence_while_stopping(self, budget: float, producer: Producer | None = None) -> None:
+        """Stopping: one try, within what is left of the stop bound, to fence the old producer (which
+        aborts its transaction at once). If the coordinator cannot answer in time, the process still
+        stops in its bound: the open transaction is aborted by the broker at its
+        ``transaction.timeout.ms`` (read_committed readers of its partitions wait until then) or by
+        the next producer with this transactional id. Nothing is lost: its offsets were not committed."""
+        if budget >= 1.0:
+            producer = producer or Producer(self._pconf, transactional_id=self.transactional_id)
+            try:
+                with self._section("fence on stop", budget + 15):
+                    producer.init_transactions(budget)
+            except KafkaClientError as exc:  # timed out, or the call wedged (then bounded and left)
+                producer.retire()
+                log.warning(
+                    "stopping: could not fence the old transaction in time; the broker aborts it at its timeout %s",
+                    kv(worker_id=self.worker_id, error=exc),
+                )
+                return
+            self.producer = producer
+            return
+        if producer is not None:
+            producer.retire()
+        log.warning("stopping: no time left to fence the old transaction; the broker aborts it at its timeout %s",
+                    kv(worker_id=self.worker_id))  # fmt: skip
 
     # -- one batch -------------------------------------------------------------------------------
     def write(self, batch: list, produce: Callable[[], Any]) -> bool:
@@ -263,6 +319,11 @@ class ExactlyOnceLoop:
                     raise  # a timed-out commit is not retried in this epoch: settle replaces the producer
                 log.warning("retrying commit %s", kv(error=exc, attempt=attempt + 1))
 
+    @property
+    def committing(self) -> bool:
+        """A transaction's commit runs on the commit thread (``overlap``) and has not been settled."""
+        return self._txn is not None
+
     # -- ending a transaction --------------------------------------------------------------------
     def settle(self) -> None:
         """Wait for the transaction in flight to end. Committed: the ``committed`` hook. Failed:
@@ -326,6 +387,10 @@ class ExactlyOnceLoop:
             return False
         failed, exc, why, unknown = self._rewind_due
         self._rewind_due = None
+        if self._stop_left() is not None:  # leaving: whoever owns the partitions next reads from the
+            log.warning("%s; stopping, so not rewound (the next owner reads from the committed offsets) %s",
+                        why, kv(worker_id=self.worker_id, error=exc))  # fmt: skip
+            return True  # group's committed offsets (a seek would need the coordinator, maybe away)
         first: dict[tuple[str, int], int] = {}
         for m in [*failed, *batch]:
             key = (m.topic(), m.partition())
@@ -337,7 +402,16 @@ class ExactlyOnceLoop:
             committed = self._retry(lambda: self.consumer.committed(tps, self.request_timeout_s), "committed offsets")
             first = {tp: committed[tp] if committed.get(tp, -1) >= 0 else offset for tp, offset in first.items()}
         for (topic, part), offset in first.items():
-            self.consumer.seek(topic, part, offset)
+            try:
+                self.consumer.seek(topic, part, offset)
+            except ConsumeError as seek_exc:
+                if not fenced_member(exc):
+                    raise
+                raise ConsumeError(  # the consumer, a static member, is fenced too: the caller replaces it
+                    f"{why}: the consumer was fenced by another member with the same group.instance.id and "
+                    f"cannot seek ({seek_exc}); its replacement reads from the committed offsets",
+                    exc.kafka_error,
+                ) from exc
         where = ",".join(f"{t}[{p}]@{o}" for (t, p), o in first.items())
         log.warning("%s, rewound %s", why, kv(worker_id=self.worker_id, error=exc, partitions=where))
         return True

@@ -10,10 +10,15 @@ from typing import Annotated
 import typer
 
 from rlstream.cli_common import ConfigOpt, SetOpt, console, load, sigterm_unwinds, sources
+from rlstream.dev.bench.main import ALL, BENCHMARKS, LONG
 
 
 def chaos(
-    size: str = typer.Option("tiny", "--size", help="tiny (CI, ~3-5 min) | full (the documented run, 20-40 min)."),
+    size: str = typer.Option(
+        "tiny",
+        "--size",
+        help="tiny (CI, ~3-5 min) | full (the documented run, 20-40 min) | scale (100k samples: hours).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and the bad records."),
     out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/chaos-<id>)."),
     bootstrap: str | None = typer.Option(None, "--bootstrap", help="Use this Kafka (then no broker restarts)."),
@@ -22,46 +27,55 @@ def chaos(
     kills: int | None = typer.Option(None, "--kills", help="kill -9s in all (trainer and feed ones included)."),
     trainer_kills: int | None = typer.Option(None, "--trainer-kills"),
     feed_kills: int | None = typer.Option(None, "--feed-kills"),
-    broker_restarts: int | None = typer.Option(None, "--broker-restarts"),
+    broker_restarts: int | None = typer.Option(
+        None,
+        "--broker-restarts",
+        help="Broker faults (with --nodes > 1: nodes + 2 at least; 0: none, role kills only).",
+    ),
     joins: int | None = typer.Option(None, "--joins", help="Join/leave cycles of a rollout and a reward worker."),
     fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
     drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
     keep_data: bool = typer.Option(False, "--keep-data", help="Keep the broker's data in the run dir."),
-    nodes: int = typer.Option(
-        1, "--nodes", min=1, max=9, help="Brokers: 3 runs a local cluster and hard-kills, pauses and rolls its nodes."
+    nodes: int | None = typer.Option(
+        None,
+        "--nodes",
+        min=1,
+        max=9,
+        help="Brokers (default: the size's, 3 for scale, else 1): 3 runs a local cluster and hard-kills, pauses and rolls its nodes.",
     ),
     unpaced: bool = typer.Option(
         False, "--unpaced", help="Feed as fast as admission allows (availability runs: sim engines, ETTR)."
+    ),
+    standby: bool = typer.Option(
+        False, "--standby", help="A hot-standby trainer (job.trainer_standby); trainer kills strike the active one."
+    ),
+    rollout_standby: bool = typer.Option(
+        False,
+        "--rollout-standby",
+        help="Rollout workers by slot with a warm spare (job.rollout_standby); rollout kills strike the slot holders.",
     ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """A fault run: the real roles under kill -9, broker restarts, joins/leaves and bad records, then
     drained and audited from the topics. Prints one verdict line; exit 0 on PASS."""
-    if size not in ("tiny", "full"):
-        raise typer.BadParameter("--size must be tiny or full")
     from rlstream.dev.chaos import ChaosOptions, run
+    from rlstream.dev.chaos_plan import SIZES
+
+    if size not in SIZES:
+        raise typer.BadParameter(f"--size must be one of {', '.join(SIZES)}")
 
     sigterm_unwinds()
     opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
-                        broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes, unpaced=unpaced)  # fmt: skip
+                        broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes, unpaced=unpaced, standby=standby,
+                        rollout_standby=rollout_standby)  # fmt: skip
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
-
-
-BENCHMARKS = ("async", "agentic", "transport", "weights", "scaling", "ceiling", "learn", "trl")
-ALL = (
-    "async",
-    "agentic",
-    "transport",
-    "weights",
-    "scaling",
-    "ceiling",
-)  # learn and trl take hours at full size: by name
 
 
 def bench(
     names: Annotated[
-        list[str], typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all (all but learn and trl).")
+        list[str],
+        typer.Argument(help=f"Benchmarks: {', '.join(BENCHMARKS)}, or all (all but {', '.join(sorted(LONG))})."),
     ],
     size: str = typer.Option("full", "--size", help="tiny (CI smoke test) | full (the documented run)."),
     engine: str = typer.Option("sim,hf", "--engine", help="async: comma list of sim (load generator) and hf."),
@@ -71,11 +85,13 @@ def bench(
         None, "--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker)."
     ),
     profile: bool = typer.Option(False, "--profile", help="Record py-spy profiles of the worker processes."),
-    budget_s: float = typer.Option(0, "--budget-s", help="learn, trl: wall-clock budget of each run (0 = the size's)."),
+    budget_s: float = typer.Option(
+        0, "--budget-s", help="learn, trl: wall-clock budget of each run; peer: its time limit (0 = the size's)."
+    ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Benchmarks (async vs sync, agentic, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl); results as JSON + PNG, tables for the docs."""
+    """Benchmarks (async vs sync, agentic, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl, peer, trace); results as JSON + PNG, tables for the docs."""
     wanted = list(ALL) if "all" in names else names
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown or size not in ("tiny", "full"):

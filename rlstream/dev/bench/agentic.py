@@ -42,7 +42,16 @@ from rlstream.dev.bench.async_sync import (
     sim_engine,
     write_prompts,
 )
-from rlstream.dev.bench.harness import BenchContext, log_line, make_config, md_table, rnd, run_pipeline, write_json
+from rlstream.dev.bench.harness import (
+    BenchContext,
+    log_line,
+    make_config,
+    md_table,
+    pyplot,
+    rnd,
+    run_pipeline,
+    write_json,
+)
 
 ENV_SPEC = "rlstream.dev.bench.agent_env:SimToolEnv"
 TASK = "bench"
@@ -166,12 +175,7 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, rows: list[dict], bounds: dict) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     ks = sorted({r["k"] for r in rows})

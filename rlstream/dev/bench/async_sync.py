@@ -43,6 +43,7 @@ from rlstream.dev.bench.harness import (
     make_config,
     md_table,
     metric_events,
+    pyplot,
     read_topic,
     rnd,
     run_pipeline,
@@ -435,12 +436,7 @@ def _thrown_away(r: dict) -> int | None:
 
 
 def plot(out: Path, rows: list[dict]) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     groups: dict[str, list[dict]] = {}
     for r in rows:

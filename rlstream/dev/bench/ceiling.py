@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.control import admission_limit, is_stale
-from rlstream.dev.bench.harness import BenchContext, md_table, rnd, write_json
+from rlstream.dev.bench.harness import BenchContext, md_table, pyplot, rnd, write_json
 
 NEEDS_KAFKA = False
 HOPS = {"none": (0.0, 0.0, 0.0), "measured": (0.005, 0.035, 0.025)}
@@ -363,12 +363,7 @@ def run(ctx: BenchContext) -> dict:
 
 def plot(out: Path, rows: list[dict]) -> list[Path]:
     """Bars of achieved/ideal per case (k, rule), one bar per variant."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     labels = list(dict.fromkeys(f"k={r['k']} {r['rule']}" for r in rows))
     variants = list(dict.fromkeys((r["policy"], r["dispatch"], r["hops"]) for r in rows))

@@ -27,7 +27,8 @@ from typing import Any
 
 from pipeline.log import kv
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
+"""The repository root (rlstream/dev/bench/harness.py is three levels down): examples/ live there."""
 
 
 @dataclass
@@ -59,6 +60,15 @@ def cpu_seconds(pid: int | None) -> float | None:
     except (OSError, TypeError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_children() -> float:
+    """User + system CPU seconds of every child process of this one waited for so far (their own
+    waited-for children included): ``getrusage(RUSAGE_CHILDREN)``."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 @contextlib.contextmanager
@@ -429,3 +439,26 @@ def update_docs(docs: Path, section: str, markdown: str, images: list[Path]) -> 
 
 def log_line(ctx: BenchContext, what: str, **fields) -> None:
     ctx.say(f"[bench] {what} {kv(**fields)}")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed (then the
+    benchmarks print their tables without plots)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> list[Path]:
+    """Lay out, write (110 dpi) and close ``fig``; the benchmark result's list of plots."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -23,10 +23,22 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from rlstream.dev.bench.harness import REPO, BenchContext, child_env, md_table, metric_events, rnd, write_json
+from rlstream.dev.bench.harness import (
+    REPO,
+    BenchContext,
+    child_env,
+    cpu_children,
+    md_table,
+    metric_events,
+    pyplot,
+    rnd,
+    save_figure,
+    write_json,
+)
 
 SIZES = {
     "tiny": {
@@ -50,37 +62,36 @@ SIZES = {
 }
 
 
-def _job_sets(ctx: BenchContext, name: str, k: int, sz: dict) -> list[str]:
+def _job_sets(ctx: BenchContext, name: str, k: int, sz: dict, subdir: str = "learn") -> list[str]:
     # k = 0 alternates generation and training, so each may use every core; with k > 0 they overlap
-    # and keep the launcher's one thread per process
+    # and keep the launcher's one thread per process (``sync_threads = False``: the launcher's always)
     cores = os.cpu_count() or 1
-    sync = [f"rollout.engine.threads={cores}", f"trainer.engine.threads={cores}"] if k == 0 else []
+    sync = [f"rollout.engine.threads={cores}", f"trainer.engine.threads={cores}"]
+    sync = sync if k == 0 and sz.get("sync_threads", True) else []
     return [
         *ctx.base_sets,
         *sz["sets"],
         *sync,
         f"job.name={name}",
-        f"run_dir={json.dumps(str(ctx.out / 'learn'))}",
+        f"run_dir={json.dumps(str(ctx.out / subdir))}",
         f"rl.max_staleness={k}",
         f"kafka.bootstrap_servers={ctx.bootstrap}",
     ]
 
 
-def run_one(ctx: BenchContext, name: str, k: int, sz: dict) -> dict:
-    """One job at staleness ``k`` for the size's budget; its curve and counts."""
-    from rlstream.job import resolve
-
-    sets = _job_sets(ctx, name, k, sz)
+def run_job(ctx: BenchContext, name: str, k: int, sz: dict, subdir: str = "learn") -> dict:
+    """``rlstream run <sz["recipe"]> --steps <sz["steps"]>`` at staleness ``k`` as a child process, in
+    ``<out>/<subdir>/<name>``, stopped with SIGTERM once ``sz["budget_s"]`` is spent. Returns
+    ``status``, ``t_start`` (epoch seconds just before the process started), ``wall_s``, ``cpu_s``
+    (every process of the job that exited: ``getrusage(RUSAGE_CHILDREN)``; a local broker the bench
+    started is not among them), the 1-minute load average before and after, ``run_dir`` and ``sets``."""
+    sets = _job_sets(ctx, name, k, sz, subdir)
     args = ["-m", "rlstream", "run", str(sz["recipe"]), "--steps", str(sz["steps"]), "--no-live"]
     args += [x for s in sets for x in ("--set", s)]
-    run_dir = ctx.out / "learn" / name
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()[0]
+    (ctx.out / subdir).mkdir(parents=True, exist_ok=True)
+    load0, cpu0 = os.getloadavg()[0], cpu_children()
     t0 = time.time()
-    ctx.say(f"[bench] learn {name}: k = {k}, budget {sz['budget_s']} s")
-    with open(ctx.out / "learn" / f"{name}.out", "w") as log:
-        import sys
-
+    with open(ctx.out / subdir / f"{name}.out", "w") as log:
         proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=log, stderr=subprocess.STDOUT)
         status = "budget spent"
         try:
@@ -96,11 +107,29 @@ def run_one(ctx: BenchContext, name: str, k: int, sz: dict) -> dict:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    cfg = resolve(sz["recipe"], sets)
-    curve = eval_curve(cfg, run_dir, t0)
-    result = summarize(curve, steps_log(run_dir), sz["target_gain"])
-    return {"name": name, "k": k, "status": status, "wall_s": round(time.time() - t0, 1),
-            "loadavg_at_start": round(load0, 2), "curve": curve, **result}  # fmt: skip
+    return {"status": status, "t_start": t0, "wall_s": round(time.time() - t0, 1),
+            "cpu_s": round(cpu_children() - cpu0, 1), "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)],
+            "run_dir": ctx.out / subdir / name, "sets": sets}  # fmt: skip
+
+
+def job_config(job: dict):
+    """The config a ``run_job`` job ran with, as its launcher wrote it: not resolved again here,
+    where this process's RLSTREAM_* environment (which the roles never see: ``child_env``) would
+    name other topics."""
+    from rlstream.config import load_config
+
+    return load_config(job["run_dir"] / "config.toml", [], environ={})
+
+
+def run_one(ctx: BenchContext, name: str, k: int, sz: dict) -> dict:
+    """One job at staleness ``k`` for the size's budget; its curve and counts."""
+    ctx.say(f"[bench] learn {name}: k = {k}, budget {sz['budget_s']} s")
+    job = run_job(ctx, name, k, sz)
+    cfg = job_config(job)
+    curve = eval_curve(cfg, job["run_dir"], job["t_start"])
+    result = summarize(curve, steps_log(job["run_dir"]), sz["target_gain"])
+    return {"name": name, "k": k, "status": job["status"], "wall_s": job["wall_s"],
+            "loadavg_at_start": job["loadavg"][0], "curve": curve, **result}  # fmt: skip
 
 
 def steps_log(run_dir: Path) -> list[dict]:
@@ -186,12 +215,7 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, result: dict) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for r in result["runs"]:
@@ -206,8 +230,4 @@ def plot(out: Path, result: dict) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     fig.suptitle(f"staleness against quality: {result['recipe']}")
-    fig.tight_layout()
-    path = out / "learn.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out / "learn.png")

@@ -4,7 +4,8 @@ one or a local broker started for the run), each requested benchmark in turn, th
 
 Benchmarks are modules with ``run(ctx) -> result`` and ``table(result) -> markdown``; results
 carry the paths of their PNG plots. They print figures and assert nothing. A module with
-``NEEDS_KAFKA = False`` (the ceiling model) gets no broker when it runs alone.
+``NEEDS_KAFKA = False`` (the ceiling model) gets no broker when it runs alone; one with a
+``preflight()`` (trl, peer: TRL installed?) has it called before anything starts.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ BENCHMARKS = {
     "ceiling": "rlstream.dev.bench.ceiling",
     "learn": "rlstream.dev.bench.learn",
     "trl": "rlstream.dev.bench.trl_peer",
+    "peer": "rlstream.dev.bench.peer",
+    "trace": "rlstream.dev.bench.step_trace",
 }
-LONG = {"learn", "trl"}
-"""Not part of ``bench all``: an hour or more per run at the full size (run them by name)."""
+LONG = {"learn", "trl", "peer", "trace"}
+"""Not part of ``bench all``: an hour or more per run at the full size, an optional extra (TRL for
+``trl`` and ``peer``), or a diagnosis (``trace``: where a k = 0 step goes): run them by name."""
 ALL = [n for n in BENCHMARKS if n not in LONG]
 TITLES = {
     "async": "async vs sync",
@@ -40,6 +44,8 @@ TITLES = {
     "ceiling": "scheduling ceiling (event model)",
     "learn": "staleness against quality (real model)",
     "trl": "TRL's GRPOTrainer side by side (real model)",
+    "peer": "TRL's GRPOTrainer against rlstream k = 0, 1, 2 (next-digit)",
+    "trace": "where a k = 0 step goes (next-digit)",
 }
 
 
@@ -68,6 +74,8 @@ def run(
     t0 = time.monotonic()
     if profile and py_spy() is None:
         say("[bench] --profile: py-spy not found (pip install py-spy); the benchmarks run without profiles")
+    for n in names:  # a missing optional extra fails here, before a broker starts
+        getattr(importlib.import_module(BENCHMARKS[n]), "preflight", lambda: None)()
     needs_kafka = any(getattr(importlib.import_module(BENCHMARKS[n]), "NEEDS_KAFKA", True) for n in names)
     kafka = broker(bootstrap or cfg.kafka.bootstrap_servers, say) if needs_kafka else nullcontext((None, None))
     with kafka as (bs, broker_pid):

@@ -32,6 +32,7 @@ from rlstream.dev.bench.harness import (
     log_line,
     make_config,
     md_table,
+    pyplot,
     read_topic,
     rnd,
     run_pipeline,
@@ -240,12 +241,7 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, rows: list[dict]) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
     for stage in ("reward", "rollout"):

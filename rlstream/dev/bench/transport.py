@@ -37,6 +37,7 @@ from rlstream.dev.bench.harness import (
     log_line,
     make_config,
     md_table,
+    pyplot,
     read_topic,
     rnd,
     run_pipeline,
@@ -283,12 +284,7 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, result: dict) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     rl, raw, pt = result["rlstream"], result["raw"], result["raw_passthrough"]
     labels = ["produce", "reward stage\n(vs raw pass-through)", "trainer\n(vs raw consume)"]

@@ -30,6 +30,7 @@ from rlstream.dev.bench.harness import (
     md_table,
     metric_events,
     percentile,
+    pyplot,
     read_topic,
     rnd,
     run_pipeline,
@@ -208,12 +209,7 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, result: dict) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return []
     rows = [r for r in result["sizes"] if r.get("checkpoint_MB")]
     if not rows:
