@@ -7,7 +7,8 @@
   real crash and a watchdog exit are not.
 * The bad records: each kind is wrong in the way its name says.
 * The shortened run itself (``slow``, ``kafka``): real roles, its own broker (restarted), kill -9 of
-  the trainer and the feed, a join/leave, bad records; it must PASS.
+  the trainer and the feed, a join/leave, bad records; it must PASS, and its concurrent auditor must
+  have seen every record (tests/test_chaos_live.py tests that auditor).
 """
 
 import copy
@@ -27,6 +28,7 @@ from pipeline.errors import DecodeError
 from rlstream.broker import LocalBroker
 from rlstream.config import BrokerConfig
 from rlstream.dev import chaos_audit as ca
+from rlstream.dev import chaos_live as cl
 from rlstream.dev.fuzz import KINDS, SCHEMA_OF, RecordBuilder
 from rlstream.supervisor import RestartPolicy, Supervisor
 from tests.conftest import rlstream_cmd
@@ -122,6 +124,27 @@ def test_audit_fails_on_damaged_data(damage):
     assert v["verdict"] == "FAIL"
     assert any(damage.split(" (")[0] in reason for reason in v["failed"]), v
     assert "chaos: FAIL" in ca.verdict_line(v)
+
+
+def test_a_bad_record_past_its_groups_committed_offset_is_unread_not_missing():
+    """The job ends with the trainer's last step; a bad record written after its stage's last read
+    has no dead letter yet, and no reader has skipped it: unread. One below the committed offset
+    without a dead letter is missing."""
+    data, steps, fuzz = clean_run()
+    data["dlq"] = [d for d in data["dlq"] if d["source"] != ("x.rollouts", 0, 100)]  # no letter for o=100
+
+    def audit_with(committed_rollouts: int) -> dict:
+        upto = {("x.rollouts", 0): committed_rollouts, ("x.scored", 0): 200}
+        return ca.audit(data, steps, fuzz, topics=TOPICS, feed="default", expected_groups=4, k=1, read_upto=upto)
+
+    unread = audit_with(100)  # the reward group stopped at offset 100: the bad record there was never read
+    assert unread["dlq_missing"] == 0 and unread["fuzz_unread"] == 1
+    assert unread["fuzz_by_kind"]["rollouts/random_bytes"]["unread"] == 1
+    v = judge(unread)
+    assert v["verdict"] == "PASS" and "fuzz_unread_at_end=1 " in ca.verdict_line(v)
+    read = audit_with(101)  # committed past it: it was read, and its dead letter is missing
+    assert read["dlq_missing"] == 1 and read["fuzz_unread"] == 0 and judge(read)["verdict"] == "FAIL"
+    assert run_audit(data, steps, fuzz)["dlq_missing"] == 1  # without the positions: every record counts
 
 
 def test_faults_that_did_not_happen_fail_the_run():
@@ -293,6 +316,9 @@ def test_tiny_fault_run_passes(tmp_path):
     avail = report["availability"]  # printed above the verdict line; figures, not targets
     assert lines[-2].startswith("availability: ettr=") and 0 < avail["ettr"] <= 1, (lines[-2:], avail)
     assert len(avail["trainer_kill_to_step_s"]) == done["trainer_kills"], avail
+    live = report["live_audit"]  # the concurrent read_committed auditor saw everything, in order
+    assert live["counts"] == dict.fromkeys(cl.COUNTERS, 0) and live["seen"] == live["final"], live
+    assert live["seen"]["scored"] >= report["plan"]["groups"] and " live_seen=" in lines[-1], live
 
 
 @pytest.mark.parametrize("size", ["tiny", "full"])
@@ -311,3 +337,8 @@ def test_a_cluster_plan_kills_every_node_pauses_one_and_rolls(size):
     assert max(f.arg for f in broker if f.target.startswith("kill:")) == p["long_down_s"]
     assert len(broker) == p["broker_restarts"]
     assert ChaosOptions(size=size).plan(8)["broker_restarts"] == {"tiny": 1, "full": 2}[size]  # one broker: as before
+    assert ChaosOptions(size=size, nodes=3, broker_restarts=2).plan(8)["broker_restarts"] == 5  # raised to every node
+    # an explicit 0: a cluster under role kills only (availability runs); no broker fault planned
+    quiet = ChaosOptions(size=size, nodes=3, broker_restarts=0).plan(8)
+    assert quiet["broker_restarts"] == 0
+    assert not [f for f in plan_faults(quiet, random.Random(0), quiet["duration_s"]) if f.kind == "broker"]

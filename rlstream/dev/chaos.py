@@ -5,8 +5,9 @@ seeded random schedule of faults hits them; then the run drains and is audited f
 Phases:
 1. **warm-up**: the local KRaft broker (``<out>/broker``, a free port kept across restarts) or
    ``--bootstrap``; fresh topics; trainer, reward and rollout workers start. When every one has
-   published a MetricEvent the feed starts (N groups at a rate that spans most of the chaos phase)
-   and the chaos clock starts.
+   published a MetricEvent the concurrent auditor (``rlstream.dev.chaos_live``: a separate process
+   reading rl.rollouts and rl.scored in read_committed as the run goes) and then the feed start (N
+   groups at a rate that spans most of the chaos phase), and the chaos clock starts.
 2. **chaos** (``duration_s``): kill -9 of random roles at random moments (the trainer and the feed
    included; the supervisor restarts them, and records the exit as ours, not as a crash), broker
    restarts (stop by PID, 10-20 s down, start on the same data dir and port; skipped with
@@ -15,7 +16,10 @@ Phases:
 3. **drain**: no more faults; the trainer runs to ``trainer.max_steps = N / G`` and exits 0, which
    happens exactly when every group has been trained (deadline ``drain_s``).
 4. **audit** (``rlstream.dev.chaos_audit``), from the topics and the trainer's steps log, while the
-   broker still runs; then everything is stopped by PID.
+   broker still runs; the live auditor reads on to the end and stops, and what it saw is checked
+   against the final read (``chaos_live.check``); then everything is stopped by PID.
+
+The sizes, the options and the seeded fault schedule: ``rlstream.dev.chaos_plan``.
 
 Output: progress lines on stderr, one verdict line on stdout, ``<out>/report.json`` and the role
 logs (``<out>/logs``, with the supervisor's ``events.jsonl``). Exit code 0 on PASS.
@@ -32,7 +36,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.markup import escape
@@ -41,37 +45,13 @@ from pipeline.config import load_tree, merge, settings_tree, validate
 from pipeline.log import kv, setup_logging
 from pipeline.topology import RunIdentity
 from rlstream.demo import TASK, demo_settings, write_task
-from rlstream.dev import chaos_audit
-from rlstream.dev.chaos_broker import BrokerOps, ClusterOps, cluster_faults
+from rlstream.dev import chaos_audit, chaos_live
+from rlstream.dev.chaos_broker import BrokerOps, ClusterOps
+from rlstream.dev.chaos_plan import BASE_ROLES, TASK_RECORDS, WORKERS, ChaosOptions, Fault, plan_faults
 from rlstream.launcher import Launcher, RoleSpec, standard_roles
 from rlstream.supervisor import RestartPolicy
 
 log = logging.getLogger(__name__)
-SIZES = {
-    "tiny": {
-        "groups": 160,
-        "duration_s": 90.0,
-        "kills": 6,
-        "trainer_kills": 1,
-        "feed_kills": 1,
-        "broker_restarts": 1,
-        "joins": 1,
-        "fuzz": 50,
-        "long_down_s": 30.0,
-    },
-    "full": {
-        "groups": 1600,
-        "duration_s": 1200.0,
-        "kills": 56,
-        "trainer_kills": 6,
-        "feed_kills": 6,
-        "broker_restarts": 2,
-        "joins": 2,
-        "fuzz": 1000,
-        "long_down_s": 150.0,
-    },
-}
-TASK_RECORDS = 10  # write_task's prompts; the feed cycles over them in epochs
 CHAOS_SETTINGS = {  # below the user's --config/--set: a fault run's liveness bounds
     "liveness.watchdog_s": 30,
     # the product's default stop bound: a stop that lands in a transaction call wedged after a broker
@@ -83,86 +63,12 @@ CHAOS_SETTINGS = {  # below the user's --config/--set: a fault run's liveness bo
     # session timeout (45 s) plus a restart; the demo's 60 s would close groups early
     "trainer.group_timeout_s": 300,
 }
-BASE_ROLES = ["feed", "trainer", "rollout-0", "rollout-1", "reward-0", "reward-1"]
 
 
-@dataclass
-class ChaosOptions:
-    size: str = "tiny"
-    seed: int = 0
-    out: Path | None = None
-    bootstrap: str | None = None
-    groups: int | None = None
-    duration_s: float | None = None
-    kills: int | None = None
-    trainer_kills: int | None = None
-    feed_kills: int | None = None
-    broker_restarts: int | None = None
-    joins: int | None = None
-    fuzz: int | None = None
-    drain_s: float = 600.0
-    warmup_s: float = 600.0
-    keep_data: bool = False
-    nodes: int = 1
-    """Brokers of the local cluster (3: hard faults of each node instead of restarts of one broker)."""
-    unpaced: bool = False
-    """Feed as fast as admission allows (``feed.rate = 0``) instead of spreading the groups over the
-    chaos phase: for availability figures (ETTR) with a trainer-bound setup (sim engines)."""
-
-    def plan(self, groups_per_step: int) -> dict:
-        """The size's numbers with the overrides; ``groups`` rounded up to a multiple of G and of
-        the task's 10 prompts (so ``max_steps`` trains exactly the fed groups)."""
-        p = dict(SIZES[self.size])
-        p.update({k: v for k in p if (v := getattr(self, k, None)) is not None})
-        unit = math.lcm(groups_per_step, TASK_RECORDS)
-        p["groups"] = max(unit, -(-p["groups"] // unit) * unit)
-        p["kills"] = max(p["kills"], p["trainer_kills"] + p["feed_kills"])
-        p["nodes"], p["unpaced"] = self.nodes, self.unpaced
-        if self.bootstrap:
-            p["broker_restarts"] = 0
-        elif self.nodes > 1:  # every node killed once (one for minutes), a pause, a rolling restart
-            p["broker_restarts"] = max(p["broker_restarts"], self.nodes) + 2
-        return p
-
-
-@dataclass
-class Fault:
-    at: float
-    """Seconds into the chaos phase (a fault that cannot happen yet is moved later)."""
-    kind: str
-    """kill | broker | join | leave | fuzz"""
-    target: str = ""
-    arg: float = 0.0
-    required: bool = False
-    """A kill that counts towards the trainer/feed minimum (never moved to another role)."""
-    outcome: str | None = None
-    t_done: float | None = None
-
-
-def plan_faults(p: dict, rng: random.Random, duration: float) -> list[Fault]:
-    """The seeded schedule. Feed kills fall while the feed still feeds (first 55 %)."""
-    d = duration
-    faults = [Fault(rng.uniform(0.05, 0.85) * d, "kill", "trainer", required=True) for _ in range(p["trainer_kills"])]
-    faults += [Fault(rng.uniform(0.05, 0.55) * d, "kill", "feed", required=True) for _ in range(p["feed_kills"])]
-    for _ in range(p["kills"] - p["trainer_kills"] - p["feed_kills"]):
-        target = rng.choice(BASE_ROLES)
-        faults.append(Fault(rng.uniform(0.05, 0.55 if target == "feed" else 0.9) * d, "kill", target))
-    if p.get("nodes", 1) > 1:
-        broker = cluster_faults(p["nodes"], p["broker_restarts"] - 2, p["long_down_s"], rng)
-    else:
-        broker = [("", rng.uniform(10, 20)) for _ in range(p["broker_restarts"])]
-    for i, (target, down_s) in enumerate(broker):  # one per segment, in its first half: never two at once
-        seg = 0.8 * d / len(broker)
-        faults.append(Fault(0.1 * d + i * seg + rng.uniform(0, 0.5) * seg, "broker", target, arg=down_s))
-    for j in range(p["joins"]):
-        seg = 0.85 * d / p["joins"]
-        t = 0.05 * d + j * seg + rng.uniform(0, 0.2) * seg
-        faults.append(Fault(t, "join", f"x{j}"))
-        faults.append(Fault(t + rng.uniform(0.4, 0.7) * seg, "leave", f"x{j}"))
-    bursts = max(1, min(p["fuzz"], max(5, p["fuzz"] // 20)))
-    sizes = [p["fuzz"] // bursts + (1 if i < p["fuzz"] % bursts else 0) for i in range(bursts)]
-    faults += [Fault(rng.uniform(0.02, 0.9) * d, "fuzz", arg=n) for n in sizes if n]
-    return sorted(faults, key=lambda f: f.at)
+FUZZ_BY = 0.85
+"""Bad records still planned when the trainer reaches this share of its steps are written at once: the
+job ends with the trainer's last step, and records written after a stage's last read get no dead
+letter (the audit counts those as unread, ``chaos_audit.read_positions``)."""
 
 
 class Chaos:
@@ -172,7 +78,15 @@ class Chaos:
         self.cfg, self.launcher, self.p, self.opts, self.console = cfg, launcher, p, opts, console
         self.pending, self.faults = list(faults), faults
         self.broker_ops, self.injector, self.rng = broker_ops, injector, random.Random(opts.seed + 1)
+        from consumers.trainer.state import TrainerCheckpoints, trainer_root
+        from producers.slots import RolloutSlots, slot_root
+
+        self._ckpts = TrainerCheckpoints(trainer_root(cfg))
+        """The trainer's checkpoint dir: its lock names the trainer that is active (``standby``)."""
+        self._slots = RolloutSlots(slot_root(cfg), 2) if opts.rollout_standby else None
+        """The rollout slots: each lock names the worker that holds it (``rollout_standby``)."""
         self.phase, self.t_start = "warm-up", time.monotonic()
+        self.live: chaos_live.LiveAuditor | None = None
         self.t0 = self.t_drain = None
         self.wall: dict[str, float] = {}
         """Wall-clock start of the chaos phase and of the drain (``availability``)."""
@@ -193,6 +107,8 @@ class Chaos:
         if self.phase == "warm-up":
             if self._pipeline_up():
                 self.phases["warmup_s"] = round(now - self.t_start, 1)
+                if self.live is not None:  # the concurrent read_committed auditor, before the first prompt
+                    self.live.start()
                 self.launcher.add_role(RoleSpec("feed", "feed", {"feed.limit": self.p["groups"] - self.held}, True))
                 self.phase, self.t0 = "chaos", now
                 self.wall["chaos"] = time.time()
@@ -202,6 +118,11 @@ class Chaos:
             return None
         if self.phase == "chaos":
             t = now - self.t0
+            steps = self.launcher.progress.steps
+            if steps and steps[-1]["step"] >= FUZZ_BY * self.cfg.trainer.max_steps:
+                for f in self.pending:  # the rest of the bad records now, while every stage still reads
+                    if f.kind == "fuzz":
+                        f.at = min(f.at, t)
             for f in [f for f in self.pending if f.at <= t]:
                 self._do(f, t)
             self._release_held(t)
@@ -237,6 +158,11 @@ class Chaos:
             target = f.target
             if not f.required and target == "feed" and _finished(sup, "feed"):
                 target = f.target = self.rng.choice([r for r in BASE_ROLES if r != "feed"])
+            if target == "trainer" and self.opts.standby:  # the active one, never the idle standby
+                target = sup.name_of(self._ckpts.holder()) or target
+            slot = target.removeprefix("rollout-")
+            if self._slots is not None and slot.isdigit():  # the slot's holder, never the idle spare
+                target = sup.name_of(self._slots.holder(int(slot))) or target
             pid = sup.inject(target, cause="chaos kill -9")
             if pid is not None:
                 return self._done(f, t, f"kill -9 {target} (pid {pid})")
@@ -288,6 +214,14 @@ class Chaos:
             "broker_restarts": sum(1 for r in self.broker_ops.done if r.get("ok")),
             "joins": sum(1 for f in self.faults if f.kind == "leave" and f.outcome and f.outcome.startswith("SIGTERM")),
             "fuzz": fuzz_injected,
+            "worker_kills": min(  # the fewest kills of one base worker (a size's minimum for each)
+                sum(
+                    1
+                    for e in self.launcher.sup.events
+                    if e["event"] == "signal" and e.get("signal") == "SIGKILL" and e.get("name") == w
+                )
+                for w in WORKERS
+            ),
         }
 
     def line(self) -> str:
@@ -367,8 +301,8 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
     broker = None if opts.bootstrap else local_broker(bcfg)
     say = lambda m: console.print(f"[chaos] {m}", highlight=False, markup=False)  # noqa: E731
     ops = BrokerOps(broker, say)
-    chaos = injector = None
-    status, audit, steps = "failed: did not start", None, []
+    chaos = injector = live = None
+    status, audit, steps, live_r = "failed: did not start", None, [], None
     try:
         bootstrap = opts.bootstrap or broker.start(progress=ops.say, owned=True)["bootstrap"]
         cfg = resolve(config_path, sets, run_dir, run_id, bootstrap, p)
@@ -380,22 +314,36 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
         ops.say(f"run dir {run_dir}; plan {json.dumps(p)}")
         vocab = len(load_tokenizer(materialize(cfg.model)))
         injector = Injector(cfg, p["fuzz"], random.Random(opts.seed + 2), vocab, TASK)
-        roles = [r for r in standard_roles(cfg, 2, 2) if r.name != "feed"]  # the feed starts with the chaos clock
+        # the feed starts with the chaos clock
+        roles = [
+            r
+            for r in standard_roles(cfg, 2, 2, trainer_standby=opts.standby, rollout_standby=opts.rollout_standby)
+            if r.name != "feed"
+        ]
         launcher = _ChaosLauncher(
             cfg, run_dir, roles, title="rlstream chaos", live=False, console=console, policy=RestartPolicy()
         )
         chaos = launcher.chaos = Chaos(
             cfg, launcher, p, plan_faults(p, rng, p["duration_s"]), ops, injector, opts, console
         )
+        live_topics = {r: cfg.topics.name(r) for r in chaos_live.ROLES}
+        live = chaos.live = chaos_live.LiveAuditor(cfg.kafka, live_topics, run_dir)
         status = launcher.run(tick=chaos.tick)["status"]
         chaos.phases["drain_s"] = round(time.monotonic() - (chaos.t_drain or time.monotonic()), 1)
         ops.wait()
         if broker is not None and broker.state() is None:
             ops.ensure_running()  # the audit reads the topics
         injector.flush(60)
+        ops.say("stopping the live auditor (it reads on to the end offsets first)")
+        live_done = live.stop()
         t_audit = time.monotonic()
         ops.say("auditing the topics and the steps log")
         data = chaos_audit.read_topics(cfg)
+        try:
+            read_upto = chaos_audit.read_positions(cfg)
+        except Exception as exc:  # then every bad record counts as read: the stricter audit
+            log.warning("cannot read the groups' committed offsets (%s): every bad record counts", exc)
+            read_upto = None
         steps = read_steps_log(Path(cfg.trainer.checkpoint_dir or run_dir / "trainer"))
         topics = {r: cfg.topics.name(r) for r in ("prompts", "rollouts", "scored")}
         audit = chaos_audit.audit(
@@ -406,9 +354,14 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
             feed=cfg.feed.name,
             expected_groups=p["groups"],
             k=cfg.rl.max_staleness,
+            read_upto=read_upto,
         )
+        skip = {(f["partition"], f["offset"]) for f in injector.records if f["topic"] == "scored"}
+        live_r = chaos_live.check(live.rows(), data, skip, live_done)
         chaos.phases["audit_s"] = round(time.monotonic() - t_audit, 1)
     finally:
+        if live is not None:
+            live.kill()
         if injector is not None:
             injector.close()
         ops.wait()
@@ -418,8 +371,9 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
                 shutil.rmtree(run_dir / "broker" / "logs", ignore_errors=True)
     changed = sorted({f for f, _ in code_fingerprint().items() ^ code_at_start.items()})
     return _report(
-        run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, time.monotonic() - t_start, changed, steps
-    )
+        run_dir, opts, p, status, (audit, live_r), chaos, injector, ops, bootstrap, time.monotonic() - t_start,
+        changed, steps,
+    )  # fmt: skip
 
 
 def code_fingerprint() -> dict[str, str]:
@@ -434,7 +388,9 @@ def code_fingerprint() -> dict[str, str]:
     }
 
 
-def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wall_s, changed, steps) -> dict:
+def _report(run_dir, opts, p, status, audits, chaos, injector, ops, bootstrap, wall_s, changed, steps) -> dict:
+    audit, live = audits
+    live = live or chaos_live.not_run(status if status != "ok" else "the run ended before its audit")
     events = chaos.launcher.sup.events if chaos and chaos.launcher.sup else []
     sup = chaos_audit.supervision(events)
     wall = chaos.wall if chaos else {}
@@ -446,6 +402,8 @@ def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wa
     avail = chaos_audit.availability(steps, events, wall.get("chaos"), wall.get("drain"), hold)
     done = chaos.done_counts(sup, audit["fuzz_injected"] if audit else 0)
     planned = {k: p[k] for k in ("kills", "trainer_kills", "feed_kills", "broker_restarts", "joins", "fuzz")}
+    if p.get("worker_kills"):
+        planned["worker_kills"] = p["worker_kills"]
     faults = {"planned": planned, "done": done}
     if audit is None:
         audit = {
@@ -460,7 +418,7 @@ def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wa
             "dlq_without_reason": 0,
             "fuzz_injected": 0,
         }
-    v = chaos_audit.verdict(audit, sup, faults, status, wall_s)
+    v = chaos_audit.verdict(audit, sup, faults, status, wall_s, live)
     if changed:
         v["verdict"] = "FAIL"
         v["failed"].append(f"the code changed during the run ({len(changed)} files, e.g. {', '.join(changed[:3])})")
@@ -486,6 +444,7 @@ def _report(run_dir, opts, p, status, audit, chaos, injector, ops, bootstrap, wa
         "supervision": sup,
         "availability": avail,
         "audit": audit,
+        "live_audit": live,
         "code_changed_during_run": changed,
         "fuzz_records": injector.records if injector else [],
     }

@@ -37,6 +37,7 @@ from collections import Counter, defaultdict
 from pipeline import codec
 from pipeline.errors import DecodeError
 from pipeline.records import VERSIONS_KEY, InvalidRecord, split_version_marks
+from rlstream.dev import chaos_live
 
 EXAMPLES = 20
 """Longest list of examples kept per finding in the report."""
@@ -71,7 +72,8 @@ def _reduce(role: str, rec: dict) -> dict:
 
 
 def read_topics(cfg, timeout: float = 300.0) -> dict[str, list[dict]]:
-    """Each topic as a list of ``{"p", "o", ...fields}`` (``"bad": True`` where it does not decode)."""
+    """Each topic as a list of ``{"p", "o", "h" (digest of the value), ...fields}`` (``"bad": True``
+    where it does not decode)."""
     from pipeline.kafka import Consumer, client_conf
 
     schema = {"prompts": "Prompt", "rollouts": "Trajectory", "scored": "ScoredTrajectory", "dlq": "DeadLetter"}
@@ -80,7 +82,7 @@ def read_topics(cfg, timeout: float = 300.0) -> dict[str, list[dict]]:
         for role, name in schema.items():
             rows = []
             for m in c.read_to_end(cfg.topics.name(role), timeout=timeout):
-                row = {"p": m.partition(), "o": m.offset()}
+                row = {"p": m.partition(), "o": m.offset(), "h": chaos_live.digest(m.value())}
                 try:
                     row.update(_reduce(role, codec.decode_as(m.value(), name)))
                 except DecodeError:
@@ -88,6 +90,26 @@ def read_topics(cfg, timeout: float = 300.0) -> dict[str, list[dict]]:
                 rows.append(row)
             out[role] = rows
     return out
+
+
+def read_positions(cfg, timeout: float = 60.0) -> dict[tuple[str, int], int]:
+    """Where the group that reads each of rl.prompts, rl.rollouts and rl.scored has committed, per
+    (topic, partition), at the end of the run: a bad record at or past it was never read (the job
+    ended first), so no dead letter is owed for it yet."""
+    from pipeline.admin import Admin
+    from pipeline.kafka import client_conf
+
+    groups = {"prompts": cfg.rollout.group_id, "rollouts": cfg.reward.group_id, "scored": cfg.trainer.group_id}
+    admin = Admin(client_conf(cfg, "chaos-audit"), timeout)
+    try:
+        out = {}
+        for role, group in groups.items():
+            name = cfg.topics.name(role)
+            for p, off in admin.committed(group, name, len(admin.watermarks(name))).items():
+                out[(name, p)] = off
+        return out
+    finally:
+        admin.close()
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -107,10 +129,20 @@ def version_at(marks: str | None, version_min: int, index: int) -> int:
 
 
 def audit(
-    data: dict, steps: list[dict], fuzz: list[dict], *, topics: dict[str, str], feed: str, expected_groups: int, k: int
+    data: dict,
+    steps: list[dict],
+    fuzz: list[dict],
+    *,
+    topics: dict[str, str],
+    feed: str,
+    expected_groups: int,
+    k: int,
+    read_upto: dict[tuple[str, int], int] | None = None,
 ) -> dict:
     """All checks; ``topics`` maps prompts/rollouts/scored to their full names, ``fuzz`` lists the
-    injected records (``topic`` role, ``kind``, ``partition``, ``offset``)."""
+    injected records (``topic`` role, ``kind``, ``partition``, ``offset``); ``read_upto``
+    (``read_positions``): a bad record at or past its group's committed offset was never read, and
+    counts as unread, not as a missing dead letter (``None``: every bad record counts)."""
     fuzz_at = {(topics[f["topic"]], f["partition"], f["offset"]): f for f in fuzz if f.get("offset") is not None}
     r: dict = {}
 
@@ -235,11 +267,11 @@ def audit(
     lags = [int(d) for s in steps for d, n in s.get("staleness", {}).items() if n]
     r["max_lag_in_steps_log"] = max(lags, default=0)
 
-    r.update(_dlq(data["dlq"], fuzz, fuzz_at, topics, scored_src))
+    r.update(_dlq(data["dlq"], fuzz, fuzz_at, topics, scored_src, read_upto))
     return r
 
 
-def _dlq(dlq: list[dict], fuzz: list[dict], fuzz_at: dict, topics: dict, scored_src: dict) -> dict:
+def _dlq(dlq: list[dict], fuzz: list[dict], fuzz_at: dict, topics: dict, scored_src: dict, read_upto=None) -> dict:
     """Match dead letters to the injected records; count them by error type, role and kind."""
     letters = [d for d in dlq if not d.get("bad")]
     copies = Counter(d["source"] for d in letters)
@@ -255,10 +287,11 @@ def _dlq(dlq: list[dict], fuzz: list[dict], fuzz_at: dict, topics: dict, scored_
         else:
             real.append(d)
     by_kind: dict[str, dict] = {}
-    missing = []
+    missing, unread = [], []
     for f in fuzz:
         kind = by_kind.setdefault(
-            f"{f['topic']}/{f['kind']}", {"injected": 0, "in_dlq": 0, "error_types": Counter(), "roles": Counter()}
+            f"{f['topic']}/{f['kind']}",
+            {"injected": 0, "in_dlq": 0, "unread": 0, "error_types": Counter(), "roles": Counter()},
         )
         if f.get("offset") is None:
             continue
@@ -268,11 +301,16 @@ def _dlq(dlq: list[dict], fuzz: list[dict], fuzz_at: dict, topics: dict, scored_
             kind["in_dlq"] += 1
             kind["error_types"][hits[0]["error_type"]] += 1
             kind["roles"][hits[0]["role"]] += 1
+        elif read_upto is not None and f["offset"] >= read_upto.get((topics[f["topic"]], f["partition"]), -1):
+            kind["unread"] += 1
+            unread.append({k: f[k] for k in ("topic", "kind", "partition", "offset")})
         else:
             missing.append({k: f[k] for k in ("topic", "kind", "partition", "offset")})
     return {
         "fuzz_injected": sum(1 for f in fuzz if f.get("offset") is not None),
         "fuzz_undelivered": sum(1 for f in fuzz if f.get("offset") is None),
+        "fuzz_unread": len(unread),
+        "fuzz_unread_examples": unread[:EXAMPLES],
         "dlq_missing": len(missing),
         "dlq_missing_examples": missing[:EXAMPLES],
         "dlq_records": len(dlq),
@@ -437,10 +475,12 @@ COUNTERS = (
     "dlq_missing",
     "nonfinite_steps",
 )
+"""The verdict's own counters, in the line's order (the live auditor's, ``chaos_live.COUNTERS``, follow)."""
 
 
-def verdict(a: dict, sup: dict, faults: dict, status: str, wall_s: float) -> dict:
-    """PASS when the drain finished and every counter is 0 and the planned faults happened."""
+def verdict(a: dict, sup: dict, faults: dict, status: str, wall_s: float, live: dict | None = None) -> dict:
+    """PASS when the drain finished and every counter is 0 and the planned faults happened.
+    ``live``: the concurrent auditor's ``chaos_live.check`` (its counters join the others)."""
     counts = {
         "lost": a["lost_groups"],
         "trained_twice": a["trained_twice"],
@@ -453,8 +493,9 @@ def verdict(a: dict, sup: dict, faults: dict, status: str, wall_s: float) -> dic
         "unclean_stops": len(sup["unclean_stops"]),  # a non-zero exit after our SIGTERM
         "dlq_missing": a["dlq_missing"] + a["fuzz_undelivered"],
         "nonfinite_steps": a["nonfinite_steps"],
+        **(live["counts"] if live else {}),
     }
-    failed = [k for k in COUNTERS if counts[k]]
+    failed = [k for k in counts if counts[k]] + (live["failed"] if live else [])
     if status != "ok":
         failed.insert(0, f"run {status}")
     failed += [
@@ -473,6 +514,8 @@ def verdict(a: dict, sup: dict, faults: dict, status: str, wall_s: float) -> dic
         "broker_restarts": faults["done"].get("broker_restarts", 0),
         "joins": faults["done"].get("joins", 0),
         "fuzzed": a["fuzz_injected"],
+        "fuzz_unread": a.get("fuzz_unread", 0),
+        "live": chaos_live.figures(live) if live else None,
     }
 
 
@@ -481,7 +524,9 @@ def verdict_line(v: dict) -> str:
     line = (
         f"chaos: {v['verdict']} kills={sum(v['kills'].values())} ({kills or 'none'}) "
         f"broker_restarts={v['broker_restarts']} joins={v['joins']} fuzzed={v['fuzzed']} "
-        + " ".join(f"{k}={v['counts'][k]}" for k in COUNTERS)
+        + (f"fuzz_unread_at_end={v['fuzz_unread']} " if v.get("fuzz_unread") else "")
+        + " ".join(f"{k}={n}" for k, n in v["counts"].items())
+        + (f" {v['live']}" if v.get("live") else "")
         + f" wall={v['wall_s']:.0f}s"
     )
     return line + (f" failed: {'; '.join(v['failed'])}" if v["failed"] else "")
