@@ -48,3 +48,41 @@ def test_a_role_stopped_by_a_config_error_is_not_restarted(tmp_path):
         assert ei.value.code == EXIT_CONFIG, ei.value.log_tail
         assert "not restarted" in str(ei.value) and "exact_mach" in ei.value.log_tail
         assert sup.restarts_total == 0
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler of its own for ``signum`` (``SigCgt`` in /proc)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_role_stopped_while_it_still_imports_exits_cleanly():
+    """A supervised role that gets SIGTERM while Python is still importing (a job's end right after
+    the role's restart) exits 0 with one line, not -15 (an unclean stop to the supervisor)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import rlstream_cmd
+
+    env = {**os.environ, "RLSTREAM_PARENT_PID": str(os.getpid())}
+    proc = subprocess.Popen([*rlstream_cmd(), "train"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM):  # the earliest handler, then at once the signal
+            assert proc.poll() is None and time.monotonic() < deadline, "no SIGTERM handler appeared"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "SIGTERM before the role had started: exiting" in err
