@@ -91,19 +91,27 @@ def test_kill_9_loses_no_prompt(make_config, cli_env, tmp_path):
     try:
         wait_workers_joined(cfg, ["victim", "survivor"])
         feeder = subprocess.Popen([*rlstream_cmd(), "feed"], env={**cli_env, **_feed_env(cfg)})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # kill it once it has published and still has work
-            if any(t["worker_id"] == "victim" for _, t in read_topic(cfg, "rollouts", "Trajectory", 0, 0)):
-                break
-            time.sleep(0.2)
-        os.kill(victim.pid, signal.SIGKILL)
-        assert victim.wait(30) == -signal.SIGKILL
-        assert feeder.wait(120) == 0
-        assert survivor.wait(300) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
+        kill_victim_and_drain(cfg, victim, feeder, survivor, tmp_path / "survivor.log")
     finally:
         stop_all(victim, survivor, feeder)
     msgs, by_worker = audit_after_kill(cfg)
     print(f"[kill -9] {len(msgs)} trajectories for 96 samples, by worker:", dict(by_worker))
+
+
+def kill_victim_and_drain(cfg, victim, feeder, other, other_log, before_kill=None) -> None:
+    """Once the worker ``victim`` has published a trajectory (it still has work: the feed runs),
+    SIGKILL it; then the feed ends and ``other`` finishes the rest and exits when idle.
+    ``before_kill``: checked just before the kill."""
+    deadline = time.monotonic() + 180
+    while not any(t["worker_id"] == "victim" for _, t in read_topic(cfg, "rollouts", "Trajectory", 0, 0)):
+        assert time.monotonic() < deadline, "the victim published no trajectory within 180 s"
+        time.sleep(0.2)
+    if before_kill is not None:
+        before_kill()
+    os.kill(victim.pid, signal.SIGKILL)
+    assert victim.wait(30) == -signal.SIGKILL
+    assert feeder.wait(180) == 0
+    assert other.wait(300) == 0, other_log.read_text()[-3000:]
 
 
 def stop_all(*procs) -> None:

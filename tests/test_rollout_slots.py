@@ -14,7 +14,15 @@ import pytest
 from producers.slots import RolloutSlots, slot_root
 from tests.conftest import rlstream_cmd
 from tests.rollout_helpers import read_topic
-from tests.test_rollout_cluster import DATA, _feed_env, audit_after_kill, start_worker, stop_all, wait_workers_joined
+from tests.test_rollout_cluster import (
+    DATA,
+    _feed_env,
+    audit_after_kill,
+    kill_victim_and_drain,
+    start_worker,
+    stop_all,
+    wait_workers_joined,
+)
 
 
 def _wait(pred, timeout: float, what: str):
@@ -73,16 +81,11 @@ def test_a_spare_takes_over_a_killed_workers_slot_and_prompts(make_config, cli_e
         wait_workers_joined(cfg, ["victim", "spare"], timeout=240)  # the spare publishes metrics while it waits
         assert "spare: every rollout slot is held" in (tmp_path / "spare.log").read_text()
         feeder = subprocess.Popen([*rlstream_cmd(), "feed"], env={**cli_env, **_feed_env(cfg)})
-        _wait(
-            lambda: True if any(t["worker_id"] == "victim" for _, t in read_topic(cfg, "rollouts", "Trajectory", 0, 0))
-            else None,
-            180, "the victim's first trajectory",
-        )  # fmt: skip
-        assert slot.holder(0) == victim.pid
-        os.kill(victim.pid, signal.SIGKILL)
-        assert victim.wait(30) == -signal.SIGKILL
-        assert feeder.wait(180) == 0
-        assert spare.wait(300) == 0, (tmp_path / "spare.log").read_text()[-3000:]
+
+        def victim_holds_the_slot():
+            assert slot.holder(0) == victim.pid
+
+        kill_victim_and_drain(cfg, victim, feeder, spare, tmp_path / "spare.log", victim_holds_the_slot)
     finally:
         stop_all(victim, spare, feeder)
     log = (tmp_path / "spare.log").read_text()
