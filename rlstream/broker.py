@@ -302,6 +302,12 @@ def server_properties(
         "share.coordinator.state.topic.replication.factor": rf,
         "share.coordinator.state.topic.min.isr": isr,
         "group.initial.rebalance.delay.ms": "0",
+        # groups on the KIP-848 protocol (kafka.consumer group.protocol=consumer): members learn of a
+        # new assignment within a heartbeat, and meanwhile a member's transactional offset commit waits
+        # for its new epoch; 5 s (Kafka's default) paused the pipeline up to 4.8 s when a reward worker
+        # joined, 500 ms under 1 s (docs/benchmarks.md, "Rebalance pauses"). Classic groups ignore these.
+        "group.consumer.heartbeat.interval.ms": "500",
+        "group.consumer.min.heartbeat.interval.ms": "500",
         "message.max.bytes": str(16 * 1024 * 1024),
         "replica.fetch.max.bytes": str(16 * 1024 * 1024),
         "num.network.threads": "2",

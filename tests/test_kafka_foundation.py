@@ -161,3 +161,19 @@ def test_fenced_transactional_producer_fails_typed_and_closes(make_config):
     new.produce(cfg.topics.name("dlq"), b"ok")
     new.commit_transaction()
     new.close()
+
+
+def test_the_kip848_protocol_leaves_out_the_classic_only_settings():
+    """librdkafka refuses ``session.timeout.ms``, ``heartbeat.interval.ms`` and the assignment
+    strategy with ``group.protocol=consumer`` (the broker owns them); the roles set them, so the
+    wrapper leaves them out, and a user's ``kafka.consumer`` choice of the protocol works."""
+    conf = {"bootstrap.servers": "127.0.0.1:1", "group.protocol": "consumer", "session.timeout.ms": 6000}
+    c = Consumer({**conf, "heartbeat.interval.ms": 500}, group_id="g")
+    try:
+        c._c()  # the client is built (no broker needed)
+        assert c.kip848 and not any(k in c._conf for k in ("session.timeout.ms", "heartbeat.interval.ms"))
+        assert "partition.assignment.strategy" not in c._conf
+    finally:
+        c.close()
+    classic = Consumer({**conf, "group.protocol": "classic"}, group_id="g")
+    assert not classic.kip848 and classic._conf["session.timeout.ms"] == 6000

@@ -92,10 +92,14 @@ def fail_with_logs(workers: list[Worker], msg: str):
     pytest.fail(f"{msg}\n{tails}")
 
 
-def test_workers_join_and_leave_mid_stream(make_config, cli_env, tmp_path):
+@pytest.mark.parametrize("protocol", ["classic", "consumer"])
+def test_workers_join_and_leave_mid_stream(make_config, cli_env, tmp_path, protocol):
+    """``consumer``: the KIP-848 group protocol (``kafka.consumer``), whose assignments the broker
+    makes and hands out incrementally, with the transactions' offsets committed by member epoch."""
     cfg = make_config()
     n, chunk = 800, 50
-    sets = [
+    sets = [f'kafka.consumer={{"group.protocol"="{protocol}"}}'] if protocol == "consumer" else []
+    sets += [
         "reward.executor=process",
         "reward.pool_size=1",
         'reward.default=[{name="tests.test_reward_fns:slow_exact", kwargs={ms=2}}]',

@@ -40,6 +40,10 @@ FETCH_DEFAULTS = {
     "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
 }
 """How rlstream's consumers fetch (and the benchmarks' raw references, for a like comparison)."""
+CLASSIC_ONLY = ("partition.assignment.strategy", "session.timeout.ms", "heartbeat.interval.ms")
+"""Settings of the classic group protocol that librdkafka refuses with ``group.protocol=consumer``
+(KIP-848: the broker assigns, incrementally, and sets the session timeout and heartbeat interval,
+``group.consumer.*`` on the broker). With that protocol (``kafka.consumer``) they are left out."""
 
 
 class Consumer:
@@ -60,6 +64,10 @@ class Consumer:
             **FETCH_DEFAULTS,
             **conf,
         }
+        self.kip848 = str(self._conf.get("group.protocol", "classic")).lower() == "consumer"
+        if self.kip848:
+            dropped = {k: self._conf.pop(k) for k in CLASSIC_ONLY if k in self._conf}
+            log.debug("group.protocol=consumer: leaving out classic-only settings %s", kv(**dropped))
         if group_id:
             self._conf["group.id"] = group_id
         elif "group.id" not in self._conf:
@@ -89,7 +97,7 @@ class Consumer:
         they run inside ``poll``/``consume``/``close``."""
 
         self._subscription = (list(topics), on_assign, on_revoke, on_lost)
-        cooperative = "cooperative" in str(self._conf.get("partition.assignment.strategy", ""))
+        cooperative = self.kip848 or "cooperative" in str(self._conf.get("partition.assignment.strategy", ""))
 
         def assigned(client, parts):
             tps = {(p.topic, p.partition) for p in parts}
