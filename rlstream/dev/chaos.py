@@ -92,9 +92,11 @@ class Chaos:
         """Wall-clock start of the chaos phase and of the drain (``availability``)."""
         self.phases: dict[str, float] = {}
         unit = math.lcm(cfg.rl.groups_per_step, TASK_RECORDS)
-        self.held = unit if p.get("broker_restarts") and p["groups"] >= 2 * unit else 0
-        """Groups the feed keeps back until every planned broker fault is done: without them a trainer
-        that finished first (a loaded machine; a slow rolling restart) left broker faults undone."""
+        faults_planned = p.get("broker_restarts") or p.get("kills") or p.get("joins")
+        self.held = unit if faults_planned and p["groups"] >= 2 * unit else 0
+        """Groups the feed keeps back until every planned fault is done: without them a trainer that
+        finished first (a loaded machine; a slow rolling restart; a quiet machine that outran the paced
+        plan: a scale run ended with 6 of its 40 kills and a leave still due) left faults undone."""
         self.held_from = (p["groups"] - self.held) // cfg.rl.groups_per_step if self.held else 0
         """The last step of the groups fed before the release: when the trainer reached it before the
         release, the wait from there to the release is taken out of the availability figures."""
@@ -136,14 +138,16 @@ class Chaos:
         return None
 
     def _release_held(self, t: float) -> None:
-        """Feed the held-back groups once no broker fault is planned or running and the first feed
-        has finished (two feeds of one name never run at once: the second continues from its state)."""
-        if not self.held or self.broker_ops.busy or any(f.kind == "broker" for f in self.pending):
+        """Feed the held-back groups once no fault is still planned (kills, broker faults, joins,
+        leaves, bad records) or running and the first feed has finished (two feeds of one name never
+        run at once: the second continues from its state). Every fault is due by 90 % of the phase,
+        or given up 120 s after it, so the hold ends."""
+        if not self.held or self.broker_ops.busy or self.pending:
             return
         if not _finished(self.launcher.sup, "feed"):
             return
         self.launcher.add_role(RoleSpec("feed-rest", "feed", {"feed.limit": self.p["groups"]}, True))
-        self.say(f"broker faults done at {t:.0f} s: feeding the last {self.held} groups")
+        self.say(f"every planned fault done at {t:.0f} s: feeding the last {self.held} groups")
         self.held, self.wall["released"] = 0, time.time()
 
     def _pipeline_up(self) -> bool:
