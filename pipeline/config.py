@@ -130,11 +130,23 @@ class KafkaConfig(StrictModel):
     producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
     """Extra librdkafka producer settings (e.g. linger.ms, compression.type)."""
     consumer: dict[str, str | int | float | bool] = Field(default_factory=dict)
-    """Extra librdkafka consumer settings."""
+    """Extra librdkafka consumer settings. ``"group.protocol" = "consumer"``: the KIP-848 group
+    protocol (Kafka 4.x brokers; docs/operations.md, "Rebalances")."""
     common: dict[str, str | int | float | bool] = Field(default_factory=dict)
     """Extra librdkafka settings for every client (security.protocol, sasl.*, ...)."""
     request_timeout_s: float = Field(30.0, gt=0)
     """Timeout of admin calls and flushes."""
+
+    @field_validator("consumer")
+    @classmethod
+    def _group_protocol(cls, v: dict) -> dict:
+        """A wrong ``group.protocol`` fails here, in one line, not as a client error in every role's log."""
+        proto = v.get("group.protocol")
+        if proto is not None and str(proto).lower() not in ("classic", "consumer"):
+            raise ValueError(
+                f'group.protocol = {proto!r}: "classic" (the default) or "consumer" (KIP-848, Kafka 4.x brokers)'
+            )
+        return v
 
 
 class TopicSpec(StrictModel):

@@ -33,12 +33,19 @@ def test_precedence_file_env_cli(tmp_path):
         ("broker.port=70000", "broker.port"),
         ("topics.rollouts.max_message_bytes=99999999", "topics.rollouts.max_message_bytes"),
         ("kafka=3", "kafka"),
+        ('kafka.consumer={"group.protocol"="kip848"}', "kafka.consumer: Value error, group.protocol = 'kip848'"),
     ],
 )
 def test_errors_name_the_bad_key(override, key):
     with pytest.raises(ConfigError) as ei:
         load_config(overrides=[override], environ={})
     assert key in str(ei.value)
+
+
+def test_both_group_protocols_are_accepted():
+    for proto in ("classic", "consumer", "CONSUMER"):
+        cfg = load_config(overrides=[f'kafka.consumer={{"group.protocol"="{proto}"}}'], environ={})
+        assert cfg.kafka.consumer["group.protocol"] == proto
 
 
 def test_bad_env_key_and_bad_toml(tmp_path):
