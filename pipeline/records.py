@@ -88,6 +88,13 @@ def env_reward_text(trajectory: dict) -> str | None:
     return (trajectory.get("metadata") or {}).get(ENV_REWARD_KEY)
 
 
+# ---- an over-provisioned group's draw (Trajectory metadata) -------------------------------------
+DRAW_KEY = "drawn_as"
+"""Trajectory metadata key, ``rollout.overprovision`` only: the index the sample was drawn under,
+among the ``group_size`` + extra started for its group (its ``sample_index`` is its place among the
+first ``group_size`` to finish)."""
+
+
 # ---- per-token version marks (Trajectory / ScoredTrajectory metadata) --------------------------
 VERSIONS_KEY = "versions"
 """The metadata key of a sample's per-token version marks."""

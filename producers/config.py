@@ -182,6 +182,14 @@ class RolloutConfig(StrictModel):
     (docs/benchmarks.md): at k = 2, token rule, stale drops 81 -> 12 at the same throughput; at
     k = 1 a margin of 1 regenerated 232 samples to save 68 drops and lost about 10% throughput
     (the trainer, starved at k = 1, mostly trains a group at the version it was loaded with)."""
+    overprovision: int = Field(0, ge=0, le=64)
+    """Past the group barrier (opt-in; docs/losses.md "Over-provisioned groups"): start this many
+    samples per group beyond ``rl.group_size``; the first ``group_size`` to finish are the group
+    (numbered 0.. in the order they finished) and the rest are aborted, so a group no longer waits
+    for its slowest sample. It changes what is trained: the slowest samples of every group are never
+    seen (a bias toward short responses, documented there with the sim and real-model figures).
+    Single-turn prompts whose message carries the whole group only; 0 = off (every sample is kept).
+    Counted in ``overprovision_aborted_samples`` and ``overprovision_discarded_tokens``."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

@@ -1,7 +1,9 @@
 """Stale restarts: which samples a weight load makes certain to be dropped (``StaleRestarts``),
 and finished samples held back until the last sample of their prompt message finishes
 (``rollout.restart_scope``), so that a weight load which makes a held sample certain to be
-dropped as stale can generate it again instead.
+dropped as stale can generate it again instead. Over-provisioned groups
+(``rollout.overprovision``, ``GroupRace``): the first ``group_size`` samples of a message to
+finish are its group, the others are aborted.
 
 The trainer trains a group only once it is complete, so holding a message's finished samples
 until its slowest one ends delays nothing downstream. Bookkeeping only: no Kafka, no engine; the
@@ -73,6 +75,42 @@ class SampleHold:
 
     def held(self) -> int:
         return sum(len(v) for v in self._done.values())
+
+
+class GroupRace:
+    """``rollout.overprovision``: a message drawn with extra samples publishes the first ``keep``
+    to finish, numbered by the order they finished (``Sample.rank``), once all ``keep`` have; the
+    worker aborts the rest. A winner finishing again (regenerated after a stale restart) passes
+    straight through."""
+
+    def __init__(self) -> None:
+        self._drawn: dict[Key, list] = {}
+        self._won: dict[Key, list] = {}
+        self._keep: dict[Key, int] = {}
+
+    def admit(self, key: Key, samples: list, keep: int) -> None:
+        self._drawn[key], self._won[key], self._keep[key] = list(samples), [], keep
+
+    def finished(self, s) -> tuple[list, list]:
+        """``s`` has finished: (the samples to pass on now, the samples to abort). A sample of a
+        message not racing, or one already ranked, passes on at once."""
+        k = SampleHold.key(s)
+        if s.rank is not None or k not in self._drawn:
+            return [s], []
+        won = self._won[k]
+        won.append(s)
+        if len(won) < self._keep[k]:
+            return [], []
+        for rank, x in enumerate(won):
+            x.rank = rank
+        winners = {id(x) for x in won}
+        losers = [x for x in self._drawn.pop(k) if id(x) not in winners]
+        del self._won[k], self._keep[k]
+        return won, losers
+
+    def racing(self) -> int:
+        """Finished samples waiting for the rest of their group's winners."""
+        return sum(len(v) for v in self._won.values())
 
 
 @dataclass(frozen=True)

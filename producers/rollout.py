@@ -49,7 +49,7 @@ from pipeline.worker import Worker
 from producers.commits import PromptCommits
 from producers.env_steps import EnvSteps
 from producers.envs import EnvContext, env_factory
-from producers.holding import SampleHold, StaleRestarts
+from producers.holding import GroupRace, SampleHold, StaleRestarts
 from producers.prompt_queue import PromptQueue
 from producers.sample import Sample
 from producers.slots import RolloutSlots, spare_once
@@ -90,6 +90,10 @@ class RolloutWorker(Worker):
         self.restarts = StaleRestarts.of(self.rc, cfg.rl.staleness_rule, self.k)
         self.hold = SampleHold() if self.restarts.finished else None
         """Finished samples held until their message's last one finishes (``rollout.restart_scope``)."""
+        self.race = GroupRace() if self.rc.overprovision else None
+        """Over-provisioned messages: the first ``group_size`` samples to finish (``rollout.overprovision``)."""
+        self._race_dropped: set[str] = set()
+        """Engine request ids of aborted extra samples whose output the engine had already returned."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -103,6 +107,8 @@ class RolloutWorker(Worker):
         self.envs = {task: env_factory(spec, self.rc.env.import_dirs) for task, spec in self.rc.env.tasks.items()}
         for task, env_cls in self.envs.items():
             env_cls.check_options(self.rc.env.options.get(task, {}), self.rc.env.import_dirs)
+        if self.rc.overprovision and self.envs:
+            log.warning("rollout.overprovision applies to single-turn prompts only, not to %s", sorted(self.envs))
         if self.engine is None:
             ctx = EngineContext(model_dir, self.tokenizer, self.worker_id, self.rc.max_inflight)
             self.engine = build_engine(self.rc.engine, ctx)
@@ -302,13 +308,19 @@ class RolloutWorker(Worker):
         env_cls = self.envs.get(task)
         if self.hold is not None:
             self.hold.admit((tp, offset, gen), prompt["sample_count"])
-        for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"]):
+        whole = prompt["sample_start"] == 0 and prompt["sample_count"] == prompt["group_size"]
+        extra = self.rc.overprovision if self.race is not None and env_cls is None and whole else 0
+        drawn = []
+        for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"] + extra):
             s = Sample(prompt, i, toks, budget, tp, offset, gen=gen)
+            drawn.append(s)
             if env_cls is not None:
                 ctx = EnvContext(task, self.worker_id, self.tokenizer, tuple(self.rc.env.import_dirs))
                 s.env = env_cls(self.rc.env.options.get(task, {}), ctx)
                 s.max_turns, s.max_turn_tokens = self.rc.env.max_turns, self.rc.env.max_turn_tokens
             self.ready.append(s)
+        if extra:
+            self.race.admit((tp, offset, gen), drawn, prompt["sample_count"])
         self.stats["admitted_groups"] += 1
         self.metrics.inc("prompts_admitted")
         self.metrics.set("admitted_group_seq", prompt["group_seq"])
@@ -374,6 +386,10 @@ class RolloutWorker(Worker):
 
     def _handle_outputs(self, outs) -> None:
         for out in outs:
+            if out.rid in self._race_dropped:  # an extra sample aborted after it had finished
+                self._race_dropped.discard(out.rid)
+                self.metrics.inc("overprovision_discarded_tokens", len(out.tokens))
+                continue
             if out.rid not in self.running:
                 self._unknown_output(out)
                 continue
@@ -406,6 +422,37 @@ class RolloutWorker(Worker):
     def _publish(self, s: Sample) -> None:
         """``s`` has finished: produce it, or hold it until its message's last sample finishes."""
         s.finished_ms = now_ms()  # generation ended (a held sample is produced later)
+        if self.race is None:
+            self._hold(s)
+            return
+        passed, losers = self.race.finished(s)
+        self._abort_extra(losers)
+        for x in passed:
+            self._hold(x)
+
+    def _abort_extra(self, losers: list[Sample]) -> None:
+        """Stop the samples of an over-provisioned group that did not finish among its first
+        ``group_size``: dropped from the queue, aborted in the engine; nothing is published or
+        acknowledged for them (the prompt message expects ``group_size`` acknowledgements)."""
+        if not losers:
+            return
+        ids = {id(x) for x in losers}
+        self.ready = deque(x for x in self.ready if id(x) not in ids)
+        rids = [rid for rid, (x, _) in self.running.items() if id(x) in ids]
+        outs = self.engine.abort(rids) if rids else []
+        mine = set(rids)
+        discarded = sum(len(x.tokens) for x in losers) + sum(len(o.tokens) for o in outs if o.rid in mine)
+        for rid in rids:
+            self.running.pop(rid)
+        # an output the engine returned before this abort is still on its way to _handle_outputs
+        self._race_dropped.update(mine - {o.rid for o in outs})
+        self.metrics.inc("overprovision_aborted_samples", len(losers))
+        self.metrics.inc("overprovision_discarded_tokens", discarded)
+        # others that finished before the abort reached the engine (the sim engine returns them): as usual
+        self._handle_outputs([o for o in outs if o.rid not in mine])
+
+    def _hold(self, s: Sample) -> None:
+        """Produce ``s`` now, or hold it until its message's last sample finishes."""
         done = self.hold.finished(s) if self.hold is not None else [s]
         again = self.restarts.likely_lost(s, done, self.engine.version) if len(done) > 1 else []
         if again:  # the message waits for them again

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from libs.engines.base import GenOutput, GenRequest
 from pipeline import codec
 from pipeline.control import now_ms
-from pipeline.records import ENV_REWARD_KEY, VERSIONS_KEY, format_env_reward, format_version_marks
+from pipeline.records import DRAW_KEY, ENV_REWARD_KEY, VERSIONS_KEY, format_env_reward, format_version_marks
 from producers.envs import Environment, StepResult
 
 
@@ -61,8 +61,23 @@ class Sample:
     failed: tuple[str, str] | None = None
     """(error_type, reason) when its environment failed: the episode ends in a dead letter."""
 
+    rank: int | None = None
+    """With ``rollout.overprovision``: the sample_index it is published under (its place among
+    the first ``group_size`` samples of its group to finish); ``index`` stays its draw."""
+
     @property
     def tid(self) -> str:
+        """The trajectory id it is published under."""
+        return f"{self.prompt['group_id']}/{self.published_index}"
+
+    @property
+    def published_index(self) -> int:
+        return self.index if self.rank is None else self.rank
+
+    @property
+    def draw_id(self) -> str:
+        """Its id while it generates (engine requests): unique among the samples drawn for its
+        group, over-provisioned ones included."""
         return f"{self.prompt['group_id']}/{self.index}"
 
     gen: int = 0
@@ -97,7 +112,7 @@ class Sample:
         else:
             stops = frozenset({eos_id})
         return GenRequest(
-            f"{self.tid}#{self.attempt}", self.prompt_tokens + self.tokens, max(1, left), temperature, stops
+            f"{self.draw_id}#{self.attempt}", self.prompt_tokens + self.tokens, max(1, left), temperature, stops
         )
 
     def add_output(self, out: GenOutput, version: int) -> None:
@@ -162,12 +177,14 @@ class Sample:
             meta[VERSIONS_KEY] = format_version_marks(self.version_marks)
         if self.env is not None:
             meta[ENV_REWARD_KEY] = format_env_reward(self.env_reward)
+        if self.rank is not None:
+            meta[DRAW_KEY] = str(self.index)
         return {
             "trajectory_id": self.tid,
             "group_id": p["group_id"],
             "group_seq": p["group_seq"],
             "prompt_id": p["prompt_id"],
-            "sample_index": self.index,
+            "sample_index": self.published_index,
             "group_size": p["group_size"],
             "task": p["task"],
             "prompt_text": p["text"],

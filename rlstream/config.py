@@ -186,6 +186,11 @@ class Config(StrictModel):
                     f"topics.{role}.max_message_bytes={spec.max_message_bytes} exceeds the broker's "
                     f"message.max.bytes={broker_max}"
                 )
+        if self.rollout.overprovision and self.rl.replicate > 1:
+            raise ValueError(
+                f"rollout.overprovision={self.rollout.overprovision} needs every group in one prompt message, "
+                f"but rl.replicate={self.rl.replicate} splits it over {self.rl.replicate}"
+            )
         return self
 
 

@@ -55,6 +55,8 @@ def test_bench_all_tiny(cli_env, kafka_bootstrap, tmp_path):
                 assert positive(r["plan"][key]), key
             assert positive(r["achieved_over_ideal"])
     assert next(r for r in a["runs"] if r["k"] == 0 and r["engine"] == "sim")["speedup_over_k0"] == 1.0
+    over = [r for r in a["runs"] if r["overprovision"]]  # rollout.overprovision = 1: one aborted per group
+    assert len(over) == 1 and over[0]["overprovision_aborted_samples"] >= over[0]["steps_completed"] * 2, over
 
     g = json.loads((out / "agentic.json").read_text())
     assert [[r["mode"], r["k"]] for r in g["runs"]] == g["sizes"]["runs"]

@@ -23,3 +23,16 @@ def test_a_run_that_never_reaches_the_target_or_has_no_v0_eval():
     assert summarize(_curve([(10, 0.5)]), [], 0.2)["target"] is None
     row = {"k": 1, "status": "budget spent", "curve": [], "loadavg_at_start": 1.0, **r}
     assert "| 1 | budget spent |" in table({"target_gain": 0.2, "runs": [row]})
+
+
+def test_the_barrier_bench_compares_rules_at_equal_samples():
+    from rlstream.dev.bench.barrier import at_samples
+    from rlstream.dev.bench.barrier import table as barrier_table
+
+    curve = _curve([(0, 0.1), (10, 0.2), (20, 0.31)])
+    assert at_samples(curve, 640) == 0.31 and at_samples(curve, 639) == 0.2 and at_samples(curve, -1) is None
+    r = summarize(curve, [], 0.2)
+    row = {"rule": "overprovision 2", "k": 1, "status": "budget spent", "curve": curve, "loadavg_at_start": 1.0,
+           "pass_at_1_at_common": 0.2, "samples_common": 320, **r}  # fmt: skip
+    assert "| overprovision 2 | 1 | budget spent |" in barrier_table({"target_gain": 0.2, "runs": [row]})
+    assert "| 0.2 (320) |" in barrier_table({"target_gain": 0.2, "runs": [row]})

@@ -34,12 +34,20 @@ def test_precedence_file_env_cli(tmp_path):
         ("topics.rollouts.max_message_bytes=99999999", "topics.rollouts.max_message_bytes"),
         ("kafka=3", "kafka"),
         ('kafka.consumer={"group.protocol"="kip848"}', "kafka.consumer: Value error, group.protocol = 'kip848'"),
+        ("rollout.overprovision=-1", "rollout.overprovision"),
     ],
 )
 def test_errors_name_the_bad_key(override, key):
     with pytest.raises(ConfigError) as ei:
         load_config(overrides=[override], environ={})
     assert key in str(ei.value)
+
+
+def test_over_provisioned_groups_need_the_whole_group_in_one_message():
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides=["rollout.overprovision=2", "rl.replicate=2"], environ={})
+    assert "rollout.overprovision=2 needs every group in one prompt message" in str(ei.value)
+    assert load_config(overrides=["rollout.overprovision=2"], environ={}).rollout.overprovision == 2
 
 
 def test_both_group_protocols_are_accepted():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from producers.holding import SampleHold, StaleRestarts
+from producers.holding import GroupRace, SampleHold, StaleRestarts
 
 
 def sample(offset: int, index: int, stale: bool = False):
@@ -39,6 +39,22 @@ def test_samples_taken_back_are_waited_for():
     assert hold.finished(e) == []  # message 2 waits for d
     assert hold.finished(d) == [e, d]
     assert hold.take(lambda s: True) == [] and hold.held() == 0
+
+
+def test_an_over_provisioned_message_passes_its_first_finishers_ranked_and_aborts_the_rest():
+    race = GroupRace()
+    drawn = [sample(5, i) for i in range(5)]
+    for s in drawn:
+        s.rank = None
+    race.admit((("p", 0), 5, 0), drawn, 3)
+    assert race.finished(drawn[3]) == ([], []) and race.finished(drawn[0]) == ([], []) and race.racing() == 2
+    passed, losers = race.finished(drawn[4])
+    assert passed == [drawn[3], drawn[0], drawn[4]] and [s.rank for s in passed] == [0, 1, 2]
+    assert losers == [drawn[1], drawn[2]] and race.racing() == 0
+    assert race.finished(drawn[0]) == ([drawn[0]], [])  # a winner generated again passes through
+    other = sample(6, 0)
+    other.rank = None
+    assert race.finished(other) == ([other], [])  # a message drawn without extras
 
 
 def rc(scope="all", restarts=1, policy="interrupt", margin=None):

@@ -440,3 +440,47 @@ def test_a_duplicated_prompt_message_is_generated_twice_without_crashing_the_wor
     got = sorted(t["trajectory_id"] for t in trajectories(cfg, 2 * n))
     assert got == sorted(f"rev-59@e20/{i}" for i in range(n) for _ in range(2))
     assert w.worker.stats["trajectories"] == 2 * n
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+def test_an_over_provisioned_group_publishes_its_first_finishers_and_aborts_the_rest(make_config, extra):
+    """rollout.overprovision: each group is drawn with ``extra`` more samples than rl.group_size;
+    the first group_size to finish are published, numbered 0.. in finishing order, and the others
+    are aborted. The sim engine's lengths are fixed by each draw's id, and every draw of a group
+    starts together (slots for all), so the published lengths are the group's shortest draws.
+    ``extra`` = 0 is the default rule: every draw is published."""
+    from libs.engines.sim import sample_length
+    from producers.config import SimEngineConfig
+
+    n, groups, clip = 4, 6, 40
+    engine = {"type": "sim", "token_latency_s": 0.01, "median_tokens": 10, "sigma": 0.8, "seed": 3}
+    cfg = make_config(
+        f"feed.source={DATA}", f"feed.limit={groups}", f"rl.group_size={n}", "rl.max_staleness=100",
+        f"rollout.max_inflight={(n + extra) * groups}", f"rollout.max_new_tokens={clip}",
+        f"rollout.overprovision={extra}", "rollout.metrics_interval_s=0.3", "rollout.exit_when_idle_s=3",
+        "rollout.engine={" + ", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in engine.items()) + "}",
+    )  # fmt: skip
+    feed.run(cfg)
+    run_until_idle(cfg, timeout=600)
+    got = trajectories(cfg, n * groups)
+    assert len(got) == n * groups == len({t["trajectory_id"] for t in got})
+    eng = SimEngineConfig(**{k: v for k, v in engine.items() if k != "type"})
+    picked_long = 0
+    for gid in {t["group_id"] for t in got}:
+        mine = [t for t in got if t["group_id"] == gid]
+        assert sorted(t["sample_index"] for t in mine) == list(range(n))
+        drawn = [sample_length(eng, f"{gid}/{i}", clip) for i in range(n + extra)]
+        kept = sorted(len(codec.unpack_i32(t["response_tokens"])) for t in mine)
+        assert kept == sorted(drawn)[:n], (gid, drawn, kept)
+        if extra:
+            draws = sorted(int(t["metadata"]["drawn_as"]) for t in mine)
+            assert len(set(draws)) == n and all(0 <= d < n + extra for d in draws)
+            picked_long += any(d >= n for d in draws)
+        else:
+            assert "drawn_as" not in mine[0]["metadata"]
+    if extra:
+        assert picked_long, "no group kept an extra draw"  # the seed makes some of them short
+    ends = {p: end for p, end in end_offsets(cfg, cfg.topics.name("prompts")).items() if end}
+    assert {p: off for p, off in committed(cfg).items() if p in ends} == ends  # every message committed
+    last = [r["metrics"] for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "rollout"][-1]
+    assert last.get("overprovision_aborted_samples", 0) == extra * groups

@@ -86,12 +86,14 @@ def bench(
     ),
     profile: bool = typer.Option(False, "--profile", help="Record py-spy profiles of the worker processes."),
     budget_s: float = typer.Option(
-        0, "--budget-s", help="learn, trl: wall-clock budget of each run; peer: its time limit (0 = the size's)."
+        0,
+        "--budget-s",
+        help="learn, barrier, trl: wall-clock budget of each run; peer: its time limit (0 = the size's).",
     ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Benchmarks (async vs sync, agentic, transport, weight notices, scaling, scheduling ceiling; by name: learn, trl, peer, trace); results as JSON + PNG, tables for the docs."""
+    """Benchmarks (async vs sync, agentic, transport, weight notices, scaling, scheduling ceiling; by name: learn, barrier, trl, peer, trace); results as JSON + PNG, tables for the docs."""
     wanted = list(ALL) if "all" in names else names
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown or size not in ("tiny", "full"):

@@ -58,13 +58,13 @@ WORKLOADS = {
 SIZES = {
     "tiny": {  # the CI smoke test: one rollout worker, a few steps
         "sim": {"steps": 4, "groups": 2, "n": 4, "workers": 1, "inflight": 8, "latency": 0.01, "median": 8,
-                "clip": 32, "ks": [0, 1], "workloads": ["long-tail"]},
+                "clip": 32, "ks": [0, 1], "workloads": ["long-tail"], "overprovision": [(1, "sample", 1)]},
         "hf": {"steps": 3, "groups": 2, "n": 4, "workers": 1, "inflight": 8, "median": 6, "clip": 24, "ks": [0]},
     },
     "full": {
         "sim": {"steps": 16, "groups": 8, "n": 8, "workers": 2, "inflight": 16, "latency": 0.02, "median": 12,
                 "clip": 96, "ks": [0, 1, 2, 4], "workloads": ["long-tail", "uniform"], "uniform_ks": [0, 1],
-                "token_ks": [1, 2]},
+                "token_ks": [1, 2], "overprovision": [(2, "token", 1), (2, "sample", 1)]},
         "hf": {"steps": 40, "groups": 4, "n": 8, "workers": 2, "inflight": 16, "median": 16, "clip": 128,
                "ks": [0, 1, 2, 4]},
     },
@@ -277,7 +277,8 @@ def _checkpoint_seconds(cfg, t0: float, t1: float) -> tuple[float | None, list[f
     return (total if seen else None), publish
 
 
-ROLLOUT_TOTALS = ("restarted_samples", "restart_discarded_tokens", "regenerated_samples", "regenerate_discarded_tokens")
+ROLLOUT_TOTALS = ("restarted_samples", "restart_discarded_tokens", "regenerated_samples", "regenerate_discarded_tokens",
+                  "overprovision_aborted_samples", "overprovision_discarded_tokens")  # fmt: skip
 
 
 def rollout_totals(cfg, names: tuple[str, ...] = ROLLOUT_TOTALS) -> dict:
@@ -299,10 +300,11 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None) -> dict:
-    """One pipeline run; ``rule`` sets ``rl.staleness_rule`` (None: the resolved config's)."""
+def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None, extra: int = 0) -> dict:
+    """One pipeline run; ``rule`` sets ``rl.staleness_rule`` (None: the resolved config's),
+    ``extra`` ``rollout.overprovision``."""
     sz = SIZES[ctx.size][engine]
-    name = f"async-{engine}-{workload}-k{k}" + (f"-{rule}" if rule else "")
+    name = f"async-{engine}-{workload}-k{k}" + (f"-{rule}" if rule else "") + (f"-over{extra}" if extra else "")
     run_dir = ctx.out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     count = 64
@@ -319,9 +321,11 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
             "trainer.lr": 0.0003,
         }
     rule_sets = {"rl.staleness_rule": rule} if rule else {}
+    if extra:
+        rule_sets["rollout.overprovision"] = extra
     cfg, path = make_config(ctx, name, {**common_sets(sz, k, source), **sets, **rule_sets})
     res = run_pipeline(ctx, cfg, path, sz["workers"], 1, timeout_s=900, profile=["trainer", "rollout-0", "reward-0"])
-    row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.rl.staleness_rule}
+    row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.rl.staleness_rule, "overprovision": extra}
     row.update(status=res.status, wall_s=res.wall_s)
     row["loadavg"] = res.loadavg
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))
@@ -329,6 +333,8 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
     if plan:
         row["plan"] = plan
         row["achieved_over_ideal"] = rnd((row.get("samples_per_s") or 0) / plan["ideal_samples_per_s"])
+        ideal_tokens = plan["ideal_samples_per_s"] * plan["mean_response_tokens"]
+        row["tokens_over_ideal"] = rnd((row.get("tokens_per_s") or 0) / ideal_tokens)
     if res.profiles:
         row["profiles"] = {n: summarize_profile(p) for n, p in res.profiles.items()}
         row["kafka_share"] = kafka_share(row)
@@ -387,6 +393,9 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
             group = [run_one(ctx, engine, workload, k) for k in ks]
             if engine == "sim" and workload == "long-tail":
                 group += [run_one(ctx, engine, workload, k, "token") for k in sz.get("token_ks", [])]
+                group += [
+                    run_one(ctx, engine, workload, k, rule, extra) for k, rule, extra in sz.get("overprovision", [])
+                ]
             base = next((r.get("samples_per_s") for r in group if r["k"] == 0), None)
             if engine == "hf":
                 ideal = hf_ideal(group, sz)
@@ -407,14 +416,17 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
 def table(result: dict) -> str:
     headers = ["engine", "workload", "k", "rule", "samples/s", "tokens/s", "trainer idle", "rollout idle",
                "stale dropped", "stale tokens", "restarted (tokens discarded)", "regenerated (tokens discarded)",
-               "tokens thrown away", "tokens masked", "partial rollouts", "speedup vs k=0", "achieved/ideal"]  # fmt: skip
+               "tokens thrown away", "tokens masked", "partial rollouts", "speedup vs k=0", "achieved/ideal",
+               "overprovision (aborted)", "trained tokens/ideal", "mean tokens trained"]  # fmt: skip
     rows = [
         [r["engine"], r["workload"], r["k"], r.get("rule", "sample"), r.get("samples_per_s"), r.get("tokens_per_s"),
          r.get("trainer_idle_fraction"), r.get("rollout_idle_fraction"), r.get("stale_dropped"),
          r.get("stale_dropped_tokens"), _restarts(r, "restarted_samples", "restart_discarded_tokens"),
          _restarts(r, "regenerated_samples", "regenerate_discarded_tokens"), _thrown_away(r), r.get("tokens_masked"),
          r.get("partial_rollouts"),
-         r.get("speedup_over_k0"), r.get("achieved_over_ideal")]
+         r.get("speedup_over_k0"), r.get("achieved_over_ideal"),
+         _restarts(r, "overprovision_aborted_samples", "overprovision_discarded_tokens") if r.get("overprovision") else 0,
+         r.get("tokens_over_ideal"), r.get("mean_response_tokens_trained")]
         for r in result["runs"]
     ]  # fmt: skip
     return md_table(headers, rows)
@@ -431,7 +443,8 @@ def _thrown_away(r: dict) -> int | None:
     those discarded by restarts."""
     if r.get("stale_dropped_tokens") is None:
         return None
-    parts = ("stale_dropped_tokens", "tokens_masked", "restart_discarded_tokens", "regenerate_discarded_tokens")
+    parts = ("stale_dropped_tokens", "tokens_masked", "restart_discarded_tokens", "regenerate_discarded_tokens",
+             "overprovision_discarded_tokens")  # fmt: skip
     return sum(r.get(n) or 0 for n in parts)
 
 
@@ -441,6 +454,7 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         rule = " / token rule" if r.get("rule") == "token" else ""
+        rule += f" / overprovision {r['overprovision']}" if r.get("overprovision") else ""
         groups.setdefault(f"{r['engine']} / {r['workload']}{rule}", []).append(r)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (title, rs) in zip(axes[0], groups.items(), strict=True):

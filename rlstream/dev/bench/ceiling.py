@@ -23,8 +23,9 @@ The model keeps what bounds throughput and nothing else:
 Policies: ``rollout`` is the worker's. ``clairvoyant`` knows in advance which samples run to at
 least half the clip and starts the other samples of their group late, so that they end together:
 no sibling goes stale waiting for the long one, and none is generated twice. No scheduler knows
-lengths, so it shows what length prediction could be worth under the same rules. Dispatch: see
-``Case.dispatch``.
+lengths, so it shows what length prediction could be worth under the same rules. ``first-n``
+is ``rollout.overprovision``: ``n + extra`` samples drawn per group, the first ``n`` to finish kept
+and the rest aborted (their slot time counted as spent). Dispatch: see ``Case.dispatch``.
 
 What it is not: a measurement of rlstream. There is no Kafka, no process and no CPU contention;
 the figures are a ceiling to set beside the measured rows, and the model is only as right as the
@@ -92,6 +93,9 @@ class Case:
     achieves). ``paced``: the paced feed's placement (``producers.pacing``): a group goes out
     ``lead`` steps before admission, onto the prompts partition with the fewest messages not yet
     committed (commits in offset order), and waits on worker ``p mod workers``."""
+    extra: int = 0
+    """``first-n``: samples started per group beyond ``n``; the first ``n`` to finish are the
+    group, the rest are aborted (``rollout.overprovision``)."""
 
 
 class Model:
@@ -118,6 +122,10 @@ class Model:
         self.trainer_busy = False
         self.steps: list[tuple[float, int]] = []
         self.trained = self.stale = self.generated = self.regenerated = self.restarted = 0
+        self.aborted = self.trained_tokens = 0
+        self.aborted_s = 0.0
+        self.started: dict[int, list[SimSample]] = {}
+        """``first-n``: every sample of each open group (to abort the losers)."""
         self.slot_s = 0.0
         self.partitions: list[deque] = [deque() for _ in range(PARTITIONS)]
         """Per prompts partition, [group, done] of each message not yet committed (``paced``)."""
@@ -182,8 +190,11 @@ class Model:
             self.next_g += 1
         else:
             return False
-        samples = [SimSample(g, i, self.length(g, i)) for i in range(self.n)]
+        extra = self.c.extra if self.c.policy == "first-n" else 0
+        samples = [SimSample(g, i, self.length(g, i)) for i in range(self.n + extra)]
         self.left[g], self.held[g] = self.n, []
+        if extra:
+            self.started[g] = samples
         longest = max(s.length for s in samples)
         defer = self.c.policy == "clairvoyant" and longest >= self.sz["clip"] // 2
         for s in samples:
@@ -212,6 +223,8 @@ class Model:
         self.generated += 1
         s.version_max = w.version
         self.left[s.g] -= 1
+        if self.left[s.g] == 0 and s.g in self.started:
+            self.abort_losers(w, s.g, [*self.held[s.g], s])
         if self.left[s.g] == 0:
             done = [*self.held.pop(s.g), s]
             again = self.restarts.likely_lost(s, done, w.version) if len(done) > 1 else []
@@ -225,6 +238,20 @@ class Model:
         else:
             self.held[s.g].append(s)
         self.dispatch()
+
+    def abort_losers(self, w: Worker, g: int, winners: list[SimSample]) -> None:
+        """``first-n``: group ``g`` has its ``n``: its other samples stop (running) or never start."""
+        won = {id(x) for x in winners}
+        losers = [x for x in self.started.pop(g) if id(x) not in won]
+        for x in losers:
+            x.epoch += 1  # its scheduled end is void
+            self.aborted += 1
+            if x in w.running:
+                w.running.discard(x)
+                self.slot_s += self.t - x.started
+                self.aborted_s += self.t - x.started
+        lost = {id(x) for x in losers}
+        w.ready = deque(x for x in w.ready if id(x) not in lost)
 
     @staticmethod
     def requeue(w: Worker, s: SimSample) -> None:
@@ -277,6 +304,7 @@ class Model:
                     self.stale += 1
                     continue
                 self.trained += 1
+                self.trained_tokens += s.length
                 cost += self.plan["train_token_cost_s"] * (self.sz["prompt_tokens"] + s.length)
         self.trainer_busy = True
         self.at(cost, self.step_end)
@@ -312,6 +340,16 @@ class Model:
             "regenerated_fraction": rnd(self.regenerated / max(1, self.generated)),
             "rollout_idle_fraction": rnd(1 - self.slot_s / (slots * self.t)),
             "restarted_fraction": rnd(self.restarted / max(1, self.generated)),
+            "tokens_over_ideal": rnd(
+                rate
+                * self.trained_tokens
+                / max(1, self.trained)
+                / (self.plan["ideal_samples_per_s"] * self.plan["mean_response_tokens"])
+            ),
+            "aborted_fraction": rnd(self.aborted / max(1, self.generated + self.aborted)),
+            "aborted_slot_fraction": rnd(self.aborted_s / max(1e-9, self.slot_s)),
+            "trained_mean_tokens": rnd(self.trained_tokens / max(1, self.trained)),
+            "mean_tokens": self.plan["mean_response_tokens"],
         }
 
 
@@ -330,30 +368,35 @@ def simulate(case: Case, workload: str = "long-tail") -> dict:
 
 
 VARIANTS = [
-    ("rollout", "pull", "none"),
-    ("rollout", "pull", "measured"),
-    ("rollout", "paced", "measured"),
-    ("clairvoyant", "pull", "measured"),
+    ("rollout", "pull", "none", 0),
+    ("rollout", "pull", "measured", 0),
+    ("rollout", "paced", "measured", 0),
+    ("clairvoyant", "pull", "measured", 0),
+    ("first-n", "paced", "measured", 1),
+    ("first-n", "paced", "measured", 2),
 ]
-"""(policy, dispatch, hops): the rules alone; plus the hops; plus the paced feed's placement (the
-closest to the implementation); and lengths known in advance."""
+"""(policy, dispatch, hops, extra): the rules alone; plus the hops; plus the paced feed's placement
+(the closest to the implementation); lengths known in advance; and the over-provisioned groups of
+``rollout.overprovision`` (1 and 2 extra samples per group, first ``n`` kept)."""
 
 
 def cases(size: str) -> list[Case]:
     sz = SIZES[size]
     rules = [(k, "sample") for k in sz["ks"]] + [(k, "token") for k in TOKEN_KS if k in sz["ks"]]
-    return [Case(k, rule, pol, hops, sz["steps"], disp) for k, rule in rules for pol, disp, hops in VARIANTS]
+    return [
+        Case(k, rule, pol, hops, sz["steps"], disp, extra) for k, rule in rules for pol, disp, hops, extra in VARIANTS
+    ]
 
 
 def run(ctx: BenchContext) -> dict:
     rows = []
     for case in cases(ctx.size):
         t = time.monotonic()
-        row = {**simulate(case), "dispatch": case.dispatch, "seconds": rnd(time.monotonic() - t)}
+        row = {**simulate(case), "dispatch": case.dispatch, "extra": case.extra, "seconds": rnd(time.monotonic() - t)}
         rows.append(row)
         ctx.say(
             f"[bench] ceiling k={case.k} {case.rule} {case.policy} {case.dispatch} hops={case.hops}: "
-            f"{row['achieved_over_ideal']} of ideal"
+            f"{row['achieved_over_ideal']} of ideal" + (f" (extra {case.extra})" if case.extra else "")
         )
     result = {"benchmark": "ceiling", "size": ctx.size, "hops": HOPS, "rows": rows}
     result["plots"] = [str(p) for p in plot(ctx.out, rows)]
@@ -366,15 +409,13 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
     if (plt := pyplot()) is None:
         return []
     labels = list(dict.fromkeys(f"k={r['k']} {r['rule']}" for r in rows))
-    variants = list(dict.fromkeys((r["policy"], r["dispatch"], r["hops"]) for r in rows))
-    value = {
-        (f"k={r['k']} {r['rule']}", (r["policy"], r["dispatch"], r["hops"])): r["achieved_over_ideal"] for r in rows
-    }
+    variants = list(dict.fromkeys(_variant(r) for r in rows))
+    value = {(f"k={r['k']} {r['rule']}", _variant(r)): r["achieved_over_ideal"] for r in rows}
     fig, ax = plt.subplots(figsize=(1.3 * len(labels) + 3, 3.8))
     width = 0.8 / len(variants)
     for j, v in enumerate(variants):
         xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(labels))]
-        ax.bar(xs, [value.get((lab, v)) or 0 for lab in labels], width, label=" / ".join(v))
+        ax.bar(xs, [value.get((lab, v)) or 0 for lab in labels], width, label=v)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("achieved / ideal (model)")
@@ -387,11 +428,19 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
     return [path]
 
 
+def _variant(r: dict) -> str:
+    extra = r.get("extra") or 0
+    return " / ".join([r["policy"] + (f" +{extra}" if extra else ""), r["dispatch"], r["hops"]])
+
+
 def table(result: dict) -> str:
-    cols = ["k", "rule", "policy", "dispatch", "hops", "achieved/ideal", "stale dropped", "regenerated", "slots idle"]
+    cols = ["k", "rule", "policy", "dispatch", "hops", "achieved/ideal", "stale dropped", "regenerated", "slots idle",
+            "aborted", "trained tokens/ideal", "trained mean length"]  # fmt: skip
     body = [
-        [r["k"], r["rule"], r["policy"], r["dispatch"], r["hops"], r["achieved_over_ideal"],
-         f"{r['stale_dropped_fraction']:.1%}", f"{r['regenerated_fraction']:.1%}", r["rollout_idle_fraction"]]
+        [r["k"], r["rule"], r["policy"] + (f" +{r['extra']}" if r.get("extra") else ""), r["dispatch"], r["hops"],
+         r["achieved_over_ideal"], f"{r['stale_dropped_fraction']:.1%}", f"{r['regenerated_fraction']:.1%}",
+         r["rollout_idle_fraction"], f"{r.get('aborted_fraction', 0):.1%}", r.get("tokens_over_ideal"),
+         r.get("trained_mean_tokens")]
         for r in result["rows"]
     ]  # fmt: skip
     return md_table(cols, body)

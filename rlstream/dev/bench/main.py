@@ -27,11 +27,12 @@ BENCHMARKS = {
     "scaling": "rlstream.dev.bench.scaling",
     "ceiling": "rlstream.dev.bench.ceiling",
     "learn": "rlstream.dev.bench.learn",
+    "barrier": "rlstream.dev.bench.barrier",
     "trl": "rlstream.dev.bench.trl_peer",
     "peer": "rlstream.dev.bench.peer",
     "trace": "rlstream.dev.bench.step_trace",
 }
-LONG = {"learn", "trl", "peer", "trace"}
+LONG = {"learn", "barrier", "trl", "peer", "trace"}
 """Not part of ``bench all``: an hour or more per run at the full size, an optional extra (TRL for
 ``trl`` and ``peer``), or a diagnosis (``trace``: where a k = 0 step goes): run them by name."""
 ALL = [n for n in BENCHMARKS if n not in LONG]
@@ -43,6 +44,7 @@ TITLES = {
     "scaling": "scale on one broker",
     "ceiling": "scheduling ceiling (event model)",
     "learn": "staleness against quality (real model)",
+    "barrier": "over-provisioned groups against the default rule (real model)",
     "trl": "TRL's GRPOTrainer side by side (real model)",
     "peer": "TRL's GRPOTrainer against rlstream k = 0, 1, 2 (next-digit)",
     "trace": "where a k = 0 step goes (next-digit)",
