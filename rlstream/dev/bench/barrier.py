@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlstream.dev.bench import learn
-from rlstream.dev.bench.harness import REPO, BenchContext, md_table, pyplot, save_figure, write_json
+from rlstream.dev.bench.harness import REPO, BenchContext, md_table, write_json
 
 SIZES = {
     "tiny": {**learn.SIZES["tiny"], "k": 1, "rules": {"default": [], "overprovision 2": ["rollout.overprovision=2"]}},
@@ -74,19 +74,10 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, result: dict) -> list[Path]:
-    if (plt := pyplot()) is None:
-        return []
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for r in result["runs"]:
-        c = r["curve"]
-        label = f"{r['rule']} ({r['name'].rsplit('-', 1)[-1]})"
-        axes[0].plot([p["wall_s"] / 60 for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label)
-        axes[1].plot([p["samples"] for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label)
-    axes[0].set_xlabel("wall time (minutes)")
-    axes[1].set_xlabel("samples trained")
-    for ax in axes:
-        ax.set_ylabel("held-out pass@1")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"past the group barrier against the default rule: {result['recipe']}, k = {result['k']}")
-    return save_figure(fig, out / "barrier.png")
+    return learn.plot_curves(
+        out / "barrier.png",
+        result["runs"],
+        lambda r: f"{r['rule']} ({r['name'].rsplit('-', 1)[-1]})",
+        f"past the group barrier against the default rule: {result['recipe']}, k = {result['k']}",
+        fontsize=8,
+    )

@@ -215,19 +215,26 @@ def table(result: dict) -> str:
 
 
 def plot(out: Path, result: dict) -> list[Path]:
+    def label(r: dict) -> str:
+        return f"k = {r['k']}" + (f" ({r['name'].rsplit('-', 1)[-1]})" if result.get("repeats", 1) > 1 else "")
+
+    return plot_curves(out / "learn.png", result["runs"], label, f"staleness against quality: {result['recipe']}")
+
+
+def plot_curves(path: Path, runs: list[dict], label, title: str, fontsize: int | None = None) -> list[Path]:
+    """Held-out pass@1 of each run against wall time and against samples trained."""
     if (plt := pyplot()) is None:
         return []
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for r in result["runs"]:
+    for r in runs:
         c = r["curve"]
-        label = f"k = {r['k']}" + (f" ({r['name'].rsplit('-', 1)[-1]})" if result.get("repeats", 1) > 1 else "")
-        axes[0].plot([p["wall_s"] / 60 for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label)
-        axes[1].plot([p["samples"] for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label)
+        axes[0].plot([p["wall_s"] / 60 for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label(r))
+        axes[1].plot([p["samples"] for p in c], [p["pass_at_1"] for p in c], marker="o", ms=3, label=label(r))
     axes[0].set_xlabel("wall time (minutes)")
     axes[1].set_xlabel("samples trained")
     for ax in axes:
         ax.set_ylabel("held-out pass@1")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
-    fig.suptitle(f"staleness against quality: {result['recipe']}")
-    return save_figure(fig, out / "learn.png")
+        ax.legend(loc="lower right", fontsize=fontsize)
+    fig.suptitle(title)
+    return save_figure(fig, path)
