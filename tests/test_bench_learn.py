@@ -1,7 +1,7 @@
 """`rlstream bench learn`'s analysis: time and samples to the target gain, the final and best
 pass@1, stale drops; a run that never reaches the target says so."""
 
-from rlstream.dev.bench.learn import summarize, table
+from rlstream.dev.bench.learn import summarize, table, version_points
 
 
 def _curve(points):
@@ -36,3 +36,9 @@ def test_the_barrier_bench_compares_rules_at_equal_samples():
            "pass_at_1_at_common": 0.2, "samples_common": 320, **r}  # fmt: skip
     assert "| overprovision 2 | 1 | budget spent |" in barrier_table({"target_gain": 0.2, "runs": [row]})
     assert "| 0.2 (320) |" in barrier_table({"target_gain": 0.2, "runs": [row]})
+
+
+def test_a_version_is_placed_at_the_end_of_the_step_that_made_it():
+    """The steps log names the version a step started from: step 1 (version 0) makes version 1."""
+    steps = [{"step": i + 1, "version": i, "time": 100.0 + 10 * (i + 1), "used": ["a"] * 32} for i in range(3)]
+    assert version_points(steps, 100.0) == {0: (0.0, 0), 1: (10.0, 32), 2: (20.0, 64), 3: (30.0, 96)}

@@ -138,15 +138,22 @@ def steps_log(run_dir: Path) -> list[dict]:
     return read_steps_log(run_dir / "trainer")
 
 
-def eval_curve(cfg, run_dir: Path, t0: float) -> list[dict]:
-    """``[{version, pass_at_1, reward_mean, wall_s, samples}]``: each evaluated version at the time
-    its trainer step ended (version 0 at 0 s), with the samples trained up to it."""
-    steps = steps_log(run_dir)
+def version_points(steps: list[dict], t0: float) -> dict[int, tuple[float, int]]:
+    """Version -> (seconds from ``t0`` to the end of the step that made it, samples trained up to
+    it); version 0 at (0, 0). A steps-log entry's ``version`` is the one its step started from, so
+    the step makes ``version + 1``."""
     at = {0: (0.0, 0)}
     samples = 0
     for s in steps:
         samples += len(s.get("used", []))
-        at[int(s["version"])] = (s["time"] - t0, samples)
+        at[int(s["version"]) + 1] = (s["time"] - t0, samples)
+    return at
+
+
+def eval_curve(cfg, run_dir: Path, t0: float) -> list[dict]:
+    """``[{version, pass_at_1, reward_mean, wall_s, samples}]``: each evaluated version at the time
+    its trainer step ended (version 0 at 0 s), with the samples trained up to it."""
+    at = version_points(steps_log(run_dir), t0)
     out = {}
     for ev in metric_events(cfg):
         if ev["role"] != "eval" or "eval_pass_at_1" not in ev["metrics"] or ev["version"] not in at:
