@@ -54,6 +54,8 @@ def test_eval_scores_version_zero_and_every_published_version(make_config, tmp_p
         0.1
     )
     assert by_version[1]["eval_answers"] == 20 and by_version[1]["eval_unscored"] == 0
+    # one token each, never EOS: every answer is cut at the budget of 1
+    assert by_version[1]["eval_response_tokens_mean"] == 1.0 and by_version[1]["eval_truncated_fraction"] == 1.0
 
 
 def eval_config(make_config, tmp_path, *extra):

@@ -6,7 +6,8 @@ notice whose ``step`` reaches ``trainer.max_steps``), loads those weights into i
 engine, generates ``eval.samples`` answers for each prompt of a held-out dataset, scores them with
 the reward workers' functions (``reward.tasks``/``reward.default``, in the same timed pool), and
 publishes one MetricEvent (role ``eval``, its ``version``) with ``eval_reward_mean``,
-``eval_pass_at_1`` (the share of answers whose reward reaches ``eval.pass_threshold``) and counts.
+``eval_pass_at_1`` (the share of answers whose reward reaches ``eval.pass_threshold``), the mean
+answer length in tokens and the share cut at the token budget, and counts.
 The launcher's live view, ``rlstream status``, the run report and its plots show the curve. The
 final version's event also carries ``eval_final = 1``: the launcher waits for it before it stops a
 job whose trainer has finished.
@@ -206,6 +207,9 @@ class Evaluator(Worker):
             "eval_pass_at_1": sum(r >= ec.pass_threshold for r in rewards) / len(trajs) if trajs else 0.0,
             "eval_answers": len(trajs),
             "eval_unscored": len(trajs) - len(scored),
+            # response length: what a length-biased rule (rollout.overprovision) would move first
+            "eval_response_tokens_mean": sum(len(o.tokens) for o in outs) / len(outs) if outs else 0.0,
+            "eval_truncated_fraction": sum(o.finish_reason == "length" for o in outs) / len(outs) if outs else 0.0,
             "eval_s": time.monotonic() - t0,
         }
         self.results.append(res)
