@@ -428,11 +428,12 @@ def fill_union_types(tree: dict, default: StrictModel) -> None:
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        key = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{key}: {msg}")
+        # a check across sections (no location) names its keys in its own message
+        lines.append(f"{key}: {msg}" if key else msg.removeprefix("Value error, "))
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
