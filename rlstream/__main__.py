@@ -1,4 +1,5 @@
-"""``python -m rlstream``: the same as the ``rlstream`` command; the way the supervisor starts roles.
+"""``python -m rlstream``: the same as the ``rlstream`` command; the way the supervisor starts roles
+(or ``rlstream.forkserver``, which calls ``main`` in a forked child).
 
 A supervised role (``RLSTREAM_PARENT_PID``, see ``pipeline.worker.die_with_parent``) that gets
 SIGTERM before its command has installed its own handling (its imports take seconds on a loaded
@@ -17,9 +18,13 @@ def _stopped_while_starting(signum, _frame):
     raise SystemExit(0)
 
 
-if os.environ.get("RLSTREAM_PARENT_PID"):
-    signal.signal(signal.SIGTERM, _stopped_while_starting)
+def main() -> None:
+    if os.environ.get("RLSTREAM_PARENT_PID"):
+        signal.signal(signal.SIGTERM, _stopped_while_starting)
+    from rlstream.cli import run_cli  # after the handler: these imports are the slow part
 
-from rlstream.cli import run_cli  # noqa: E402  (after the handler: these imports are the slow part)
+    run_cli()
 
-run_cli()
+
+if __name__ == "__main__":
+    main()

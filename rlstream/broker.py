@@ -301,7 +301,13 @@ def server_properties(
         "transaction.state.log.num.partitions": "1",
         "share.coordinator.state.topic.replication.factor": rf,
         "share.coordinator.state.topic.min.isr": isr,
-        "group.initial.rebalance.delay.ms": "0",
+        # a new classic group waits this long for more members before its first assignment (and as
+        # long again after each member that joined in the wait): roles started together (``rlstream
+        # run``'s forked roles reach their groups within a few hundred ms; 500 ms missed one by 0.68 s
+        # in 1 of 10 runs) then form it in one round instead of a rebalance after the first steps
+        # (~3 s with the reward workers' heartbeat: docs/benchmarks.md, "Rebalance pauses"). Kafka's
+        # default is 3000.
+        "group.initial.rebalance.delay.ms": "1000",
         # groups on the KIP-848 protocol (kafka.consumer group.protocol=consumer): members learn of a
         # new assignment within a heartbeat, and meanwhile a member's transactional offset commit waits
         # for its new epoch; 5 s (Kafka's default) paused the pipeline up to 4.8 s when a reward worker

@@ -117,6 +117,12 @@ class JobConfig(StrictModel):
     and takes the slot of a worker that dies, partitions included, with no rebalance and no session
     timeout. Costs one more process with the model loaded; a worker's clean stop also waits for the
     spare (or its restart) to take its partitions over."""
+    fork_server: bool = True
+    """Start the roles by forking them from one process that has imported torch, transformers, the
+    role modules and the model's code once (``rlstream.forkserver``), instead of each role importing
+    them again: on a small machine the first step comes seconds sooner, and a restarted role is
+    back at once. Linux only; anything wrong with it falls back to plain processes. false = one
+    fresh ``python -m rlstream`` process per role."""
     eval: bool = False
     """Run ``rlstream eval`` beside the pipeline (needs ``eval.source`` or ``dataset.held_out``)."""
     dataset: DatasetConfig | None = None

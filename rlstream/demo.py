@@ -151,18 +151,21 @@ def run(config_path: Path | None, sets: list[str], opts: DemoOptions) -> dict:
     from rich.console import Console
 
     from rlstream.job import checked_start, run_job
+    from rlstream.launcher import early_fork_server
 
     console = Console(stderr=True)
     run_id = time.strftime("%Y%m%d-%H%M%S")
     cfg, data = plan(config_path, sets, opts, run_id)
     record_job_dir(cfg, config_path)
-    with checked_start(cfg, data, opts.keep_broker, console.print):  # a mistake: one line, nothing created
+    # (checked_start: a mistake is one line and creates nothing)
+    with early_fork_server(cfg) as forks, checked_start(cfg, data, opts.keep_broker, console.print):
         own_task = cfg.job.dataset is not None and cfg.feed.source.name.startswith("next_digit")
         return run_job(
             cfg,
             title="rlstream demo",
             live=opts.live,
             console=console,
+            forks=forks,
             extra_report={
                 "steps_requested": opts.steps,
                 "task": TASK if own_task else str(cfg.feed.source),

@@ -188,17 +188,21 @@ def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str |
     from rich.console import Console
 
     from rlstream.config import record_job_dir
+    from rlstream.launcher import early_fork_server
 
     console = console or Console(stderr=True)
     cfg, data = plan(job_file, sets, preset, name, flags)
     record_job_dir(cfg, job_file)
-    with checked_start(cfg, data, keep_broker, console.print):
-        return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console)
+    with early_fork_server(cfg) as forks, checked_start(cfg, data, keep_broker, console.print):
+        return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console, forks=forks)
 
 
-def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_report: dict | None = None) -> dict:
+def run_job(
+    cfg, *, title: str, live: bool | None = None, console=None, extra_report: dict | None = None, forks=None
+) -> dict:
     """Start the job's roles under the launcher until the trainer reaches ``trainer.max_steps``;
-    returns the report (also in ``<run dir>/report.json``)."""
+    returns the report (also in ``<run dir>/report.json``). ``forks``: a fork server started
+    earlier (``rlstream.launcher.start_fork_server``), else the launcher starts one."""
     from rich.console import Console
 
     from rlstream.launcher import Launcher, RoleSpec, metrics_port, standard_roles
@@ -220,7 +224,7 @@ def run_job(cfg, *, title: str, live: bool | None = None, console=None, extra_re
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     live = console.is_terminal if live is None else live
-    launcher = Launcher(cfg, run_dir, roles, title=title, live=live, console=console)
+    launcher = Launcher(cfg, run_dir, roles, title=title, live=live, console=console, forks=forks)
     launcher.run()
     return launcher.finish_report(
         {

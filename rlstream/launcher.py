@@ -25,9 +25,11 @@ launcher: for several machines run the roles yourself (docs/operations.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,11 +43,12 @@ from consumers.trainer.state import has_checkpoint
 from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.config import dump_toml, with_settings
-from pipeline.errors import DecodeError
+from pipeline.errors import DecodeError, RlstreamError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
 from pipeline.notice_auth import ensure_key
 from pipeline.topology import stage_lags
+from rlstream.forkserver import ForkServer
 from rlstream.lease import JobLease
 from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
@@ -54,6 +57,51 @@ from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
 
 log = logging.getLogger(__name__)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def role_env() -> dict[str, str]:
+    """The environment of the roles: this process's without its ``RLSTREAM_*`` settings (the run's
+    config file carries them) but for the home and cache dirs, and one thread each."""
+    keep = ("RLSTREAM_HOME", "RLSTREAM_CACHE")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_") or k in keep}, **CHILD_ENV}
+
+
+def start_fork_server(cfg) -> ForkServer | None:
+    """The job's fork server (``job.fork_server``; Linux), importing in the background from now."""
+    if not cfg.job.fork_server or not sys.platform.startswith("linux"):
+        return None
+    forks = ForkServer({**role_env(), "RLSTREAM_PARENT_PID": str(os.getpid())}, preload_modules(cfg.model))
+    log.info("fork server starting %s", kv(pid=forks.proc.pid))
+    return forks
+
+
+@contextlib.contextmanager
+def early_fork_server(cfg):
+    """``start_fork_server`` for a job command (``rlstream run``, ``demo``): started as soon as the
+    config is read, so its imports overlap the checks, the broker's start and the job's lease;
+    stopped when the command ends."""
+    forks = start_fork_server(cfg)
+    try:
+        yield forks
+    finally:
+        if forks is not None:
+            forks.close()
+
+
+def preload_modules(model) -> list[str]:
+    """What the fork server imports for a job: every role's modules and the model's own code (its
+    ``model_type``'s modeling module; tiny models are Llamas)."""
+    from pipeline.model_import import resolve_model_path
+    from pipeline.models import PretrainedModelConfig
+    from rlstream.forkserver import ROLE_MODULES
+
+    kind = "llama"
+    if isinstance(model, PretrainedModelConfig):
+        try:
+            kind = json.loads((resolve_model_path(model.path) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, RlstreamError):  # prepare() reports a missing model; this is only a preload
+            kind = None
+    return [*ROLE_MODULES, *([f"transformers.models.{kind}.modeling_{kind}"] if isinstance(kind, str) else [])]
 
 
 @dataclass
@@ -175,9 +223,10 @@ def hung_roles(
 class Launcher:
     def __init__(
         self, cfg, run_dir: Path, roles: list[RoleSpec], *, title: str, live: bool, console,
-        policy: RestartPolicy | None = None,
+        policy: RestartPolicy | None = None, forks: ForkServer | None = None,
     ):  # fmt: skip
         self.cfg, self.run_dir, self.roles = cfg, Path(run_dir), list(roles)
+        self.forks = forks
         self.title, self.live, self.console = title, live, console
         self.policy = policy or RestartPolicy()
         self.sup: Supervisor | None = None
@@ -253,22 +302,23 @@ class Launcher:
         return [c.proc.pid for c in list(self.sup.children.values())] if self.sup is not None else []
 
     def _run(self, tick=None) -> dict:
-        config_path = self.prepare()
+        if self.forks is None:  # (``rlstream run`` starts it sooner: ``job.launch``)
+            self.forks = start_fork_server(self.cfg)  # imports while the topics and the model are prepared
+        sup = self.sup = Supervisor(self.run_dir / "logs", role_env(), self.policy, forks=self.forks)
+        try:
+            config_path = self.prepare()
+        except BaseException:
+            sup.stop_all()
+            raise
         self.console.print(
             f"run dir {self.run_dir}\ntopics  {self.cfg.topics.prefix}*  on {self.cfg.kafka.bootstrap_servers}\n"
             f"watch   rlstream -c {config_path} status --watch"
         )
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("RLSTREAM_") or k in ("RLSTREAM_HOME", "RLSTREAM_CACHE")
-        }
         status, codes = "ok", {}
         metrics = Consumer(client_conf(self.cfg, "launcher", kind="consumer"))  # rl.metrics and rl.dlq
         metrics.assign([TopicPartition(self.cfg.topics.name("metrics"), 0, 0), *self._dlq_partitions(metrics)])
         lags_done = threading.Event()
         lags = threading.Thread(target=self._watch_lags, args=(lags_done,), name="lags", daemon=True)
-        sup = self.sup = Supervisor(self.run_dir / "logs", {**env, **CHILD_ENV}, self.policy)
         self.tracker = Tracker(self.cfg.tracking, self.run_dir, self.title)
         targets = self._write_prometheus_targets()
         try:

@@ -38,7 +38,12 @@ def kafka_broker() -> Iterator[tuple[str, str]]:
 
     data = tempfile.mkdtemp(prefix="rlstream-test-broker-")
     nodes = int(os.environ.get("KAFKA_NODES", "1"))
-    broker = local_broker(BrokerConfig(port=0, data_dir=data, heap_mb=512 if nodes == 1 else 384, nodes=nodes))
+    # groups form at once (no wait for more members: tests start them one by one), as before the
+    # local broker's default became 1000 ms
+    fast = {"group.initial.rebalance.delay.ms": "0"}
+    broker = local_broker(
+        BrokerConfig(port=0, data_dir=data, heap_mb=512 if nodes == 1 else 384, nodes=nodes, properties=fast)
+    )
     try:
         state = broker.start(progress=lambda m: print(f"[kafka fixture] {m}"), owned=True)
         yield state["bootstrap"], "local broker"

@@ -97,6 +97,10 @@ def test_a_killed_job_resumes_with_nothing_lost_or_trained_twice(cli_env, tmp_pa
         first.send_signal(signal.SIGKILL)  # the whole run dies with its launcher
         first.wait(60)
     events = [json.loads(x) for x in (run_dir / "logs" / "events.jsonl").read_text().splitlines() if x.strip()]
+    # the roles were forked from the fork server (job.fork_server, on by default), which dies with them
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts and all(e.get("forked") for e in starts), starts
+    assert [e["event"] for e in events].count("fork_server") == 1
     pids = {e["pid"] for e in events if e.get("pid")}
     deadline = time.monotonic() + 90
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:

@@ -1,0 +1,127 @@
+"""The fork server's own process (``python -m rlstream.zygote <modules>``, started by
+``rlstream.forkserver.ForkServer``): import the modules, say ``ready`` (refusing when the imports
+left a thread running), then fork one role per request and report each one's exit code. Nothing
+imports this module: it runs as ``__main__``, and only the forked child runs the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _say(msg: dict) -> None:
+    data = (json.dumps(msg) + "\n").encode()
+    while data:
+        data = data[os.write(1, data) :]
+
+
+def _serve(modules: list[str]) -> dict | None:
+    """Import ``modules``, then fork on request; returns only in a forked child (its request)."""
+    import importlib
+
+    from pipeline.worker import die_with_parent
+
+    die_with_parent()  # SIGTERM when the supervisor dies; the default action ends us, and then our
+    # children get theirs
+    t0 = time.monotonic()
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an optional module (an extra not installed): the role imports it itself
+            failed.append(name)
+            print(f"[forkserver] cannot preload {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    threads = _threads()
+    ok = threads == 1
+    _say({"ready": True, "ok": ok, "import_s": round(time.monotonic() - t0, 2), "failed": failed,
+          **({} if ok else {"why": f"{threads} threads after the imports: forking is unsafe"})})  # fmt: skip
+    if not ok:
+        return None
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    buf = b""
+    while True:
+        try:
+            ready = select.select([0, wake_r], [], [])[0]
+        except InterruptedError:
+            ready = []
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while True:  # reap every child that has exited
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if 0 not in ready:
+            continue
+        data = os.read(0, 65536)
+        if not data:  # the supervisor closed our stdin: done (children still running get SIGTERM)
+            return None
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            req = json.loads(line)
+            req["server_pid"] = os.getpid()  # (after a fork, getppid() is 1 once the server died)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                _say({"error": f"fork: {exc}"})
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
+                return req
+            _say({"pid": pid})
+
+
+def _become(req: dict) -> None:
+    """In the forked child: the process ``python -m rlstream <args>`` would have been."""
+    os.setsid()
+    log_fd = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    os.close(null)
+    env = dict(req["env"])
+    env["RLSTREAM_PARENT_PID"] = str(req["server_pid"])  # the parent that must not vanish
+    os.environ.clear()
+    os.environ.update(env)
+    import rlstream.__main__ as entry
+
+    sys.argv = [entry.__file__, *req["args"]]  # as ``python -m rlstream`` sets it (click's usage line)
+
+
+def main(argv: list[str]) -> None:
+    req = _serve(argv)
+    if req is None:
+        return
+    _become(req)
+    from rlstream.__main__ import main as rlstream_main
+
+    rlstream_main()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
