@@ -34,7 +34,7 @@ def test_the_barrier_bench_compares_rules_at_equal_samples():
     r = summarize(curve, [], 0.2)
     row = {"rule": "overprovision 2", "k": 1, "status": "budget spent", "curve": curve, "loadavg_at_start": 1.0,
            "pass_at_1_at_common": 0.2, "samples_common": 320, **r}  # fmt: skip
-    assert "| overprovision 2 | 1 | budget spent |" in barrier_table({"target_gain": 0.2, "runs": [row]})
+    assert "| overprovision 2 | 0 | 1 | budget spent |" in barrier_table({"target_gain": 0.2, "runs": [row]})
     assert "| 0.2 (320) |" in barrier_table({"target_gain": 0.2, "runs": [row]})
 
 
@@ -42,3 +42,33 @@ def test_a_version_is_placed_at_the_end_of_the_step_that_made_it():
     """The steps log names the version a step started from: step 1 (version 0) makes version 1."""
     steps = [{"step": i + 1, "version": i, "time": 100.0 + 10 * (i + 1), "used": ["a"] * 32} for i in range(3)]
     assert version_points(steps, 100.0) == {0: (0.0, 0), 1: (10.0, 32), 2: (20.0, 64), 3: (30.0, 96)}
+
+
+def test_the_barrier_bench_pairs_each_seeds_runs_at_equal_samples_and_averages_over_seeds():
+    """Mode minus default at every sample count both runs of a seed evaluated (v0 left out), a mean
+    per seed, the mean over seeds and the standard error between them; a rule's run without its
+    default partner is left out rather than compared with another seed's."""
+    from rlstream.dev.bench.barrier import paired, seed_sets
+    from rlstream.dev.bench.barrier import table as barrier_table
+
+    def row(rule, seed, points):
+        curve = _curve(points)
+        for c in curve:
+            c["response_tokens"] = 12.0 if rule == "default" else 10.0
+        return {"rule": rule, "seed": seed, "repeat": 0, "curve": curve}
+
+    runs = [
+        row("default", 0, [(0, 0.1), (10, 0.2), (20, 0.4)]),
+        row("over", 0, [(0, 0.1), (10, 0.24), (20, 0.36), (30, 0.5)]),  # v30: the default never got there
+        row("default", 1, [(0, 0.1), (10, 0.3)]),
+        row("over", 1, [(0, 0.1), (10, 0.2)]),
+        row("over", 2, [(0, 0.1), (10, 0.9)]),  # no default run for seed 2
+    ]
+    [p] = paired(runs, ["default", "over"])
+    assert [(x["seed"], x["samples"], x["diffs"]) for x in p["pairs"]] == [(0, [320, 640], [4.0, -4.0]), (1, [320], [-10.0])]  # fmt: skip
+    assert p["points"] == 3 and p["mean_points"] == -5.0 and p["se_points"] == 5.0
+    assert p["pairs"][0]["answer_tokens"] == [12.0, 10.0]
+    text = barrier_table({"target_gain": 0.2, "runs": [], "paired": [p]})
+    assert "| mean of 2 pairs | 3 |  | -5.00 (standard error between the pairs 5.00) |" in text
+    assert "+4.0 (320), -4.0 (640)" in text
+    assert seed_sets(3) == ["feed.shuffle_seed=3", "rollout.engine.seed=3", "trainer.seed=3"]

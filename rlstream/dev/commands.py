@@ -90,6 +90,7 @@ def bench(
         "--budget-s",
         help="learn, barrier, trl: wall-clock budget of each run; peer: its time limit (0 = the size's).",
     ),
+    seeds: str = typer.Option("", "--seeds", help="barrier: comma list of seeds, one pair of runs each (default 0)."),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -98,10 +99,15 @@ def bench(
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown or size not in ("tiny", "full"):
         raise typer.BadParameter(f"unknown benchmark(s) {unknown}" if unknown else "--size must be tiny or full")
+    try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--seeds must be a comma list of integers, got {seeds!r}") from None
     from rlstream.dev.bench.main import run
 
     sigterm_unwinds()
     path, sets = sources(config, set_)
     cfg = load(config, set_, resolve=False)
+    extra = {**({"budget_s": budget_s} if budget_s else {}), **({"seeds": seed_list} if seed_list else {})}
     run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print,
-        extra={"budget_s": budget_s} if budget_s else None)  # fmt: skip
+        extra=extra or None)  # fmt: skip

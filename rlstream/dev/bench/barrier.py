@@ -8,7 +8,12 @@ issue: within 2 points) and against wall time. Same seeds, data, model and hyper
 the rule differs. It prints figures and asserts nothing.
 
 Sizes: ``tiny`` (the tiny model's arithmetic job, about 90 s a run: a smoke test of the harness)
-and ``full`` (the real-model recipe at k = 1, 20 minutes a run).
+and ``full`` (the real-model recipe at k = 1, 20 minutes a run). ``--seeds 2,3`` runs the pair once
+per seed (``feed.shuffle_seed``, ``rollout.engine.seed`` and ``trainer.seed`` set to it; the held-out
+problems stay the same): one pair is one draw of a noisy curve (49 held-out problems, one problem = 2
+points), so the comparison that means something is the paired difference, mode minus default at each
+sample count both runs of a seed evaluated, averaged per seed and then over the seeds, with the
+spread between the seeds.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ SIZES = {
         "rules": {"default": [], "overprovision 2": ["rollout.overprovision=2"]},
     },
 }
+DEFAULT_SEEDS = [0]
+
+
+def seed_sets(seed: int) -> list[str]:
+    """The settings that make a run's data order, sampling and initial draws depend on ``seed``."""
+    return [f"feed.shuffle_seed={seed}", f"rollout.engine.seed={seed}", f"trainer.seed={seed}"]
 
 
 def at_samples(curve: list[dict], samples: int) -> float | None:
@@ -38,39 +49,101 @@ def at_samples(curve: list[dict], samples: int) -> float | None:
 def run(ctx: BenchContext) -> dict:
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
     names = list(sz["rules"])
+    seeds = list(ctx.extra.get("seeds") or DEFAULT_SEEDS)
     runs = []
-    for r in range(sz["repeats"]):
-        for rule in names if r % 2 == 0 else list(reversed(names)):
-            case = {**sz, "sets": [*sz["sets"], *sz["rules"][rule]]}
+    pairs = [(seed, r) for seed in seeds for r in range(sz["repeats"])]
+    for i, (seed, r) in enumerate(pairs):  # the order alternates from pair to pair
+        for rule in names if i % 2 == 0 else list(reversed(names)):
+            case = {**sz, "sets": [*sz["sets"], *seed_sets(seed), *sz["rules"][rule]]}
             tag = rule.replace(" ", "")
-            row = learn.run_one(ctx, f"barrier-{ctx.run_id}-{tag}-r{r}", sz["k"], case)
-            row["rule"] = rule
+            row = learn.run_one(ctx, f"barrier-{ctx.run_id}-{tag}-s{seed}-r{r}", sz["k"], case)
+            row["rule"], row["seed"], row["repeat"] = rule, seed, r
             runs.append(row)
             write_json(ctx.out / "barrier.json", {"benchmark": "barrier", "runs": runs})
-    # equal samples: the versions both curves reached (every run evaluates every eval.every_versions)
-    common = min((max((c["samples"] for c in r["curve"]), default=0) for r in runs), default=0)
-    for row in runs:
-        row["pass_at_1_at_common"] = at_samples(row["curve"], common)
-        row["samples_common"] = common
+    # equal samples: the versions both curves of a pair reached (each run evaluates every
+    # eval.every_versions)
+    for seed, r in pairs:
+        rows = [x for x in runs if (x["seed"], x["repeat"]) == (seed, r)]
+        common = min((max((c["samples"] for c in x["curve"]), default=0) for x in rows), default=0)
+        for row in rows:
+            row["pass_at_1_at_common"] = at_samples(row["curve"], common)
+            row["samples_common"] = common
     result = {"benchmark": "barrier", "size": ctx.size, "recipe": str(sz["recipe"].relative_to(REPO)),
-              "k": sz["k"], "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "runs": runs}  # fmt: skip
+              "k": sz["k"], "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "seeds": seeds,
+              "runs": runs, "paired": paired(runs, names)}  # fmt: skip
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(ctx.out / "barrier.json", result)
     return result
 
 
+def paired(runs: list[dict], names: list[str]) -> list[dict]:
+    """Each rule against the first (the default): at every sample count > 0 that both runs of a
+    (seed, repeat) pair evaluated, the rule's pass@1 minus the default's, in points; the mean per
+    pair, the mean over the pairs and the standard error between the pairs (points inside one run
+    are not independent draws, pairs are)."""
+    out = []
+    base = names[0]
+    for rule in names[1:]:
+        per_pair, points = [], 0
+        for b in (x for x in runs if x["rule"] == base):
+            other = next((x for x in runs if x["rule"] == rule and (x["seed"], x["repeat"]) == (b["seed"], b["repeat"])), None)  # fmt: skip
+            if other is None:
+                continue
+            theirs = {c["samples"]: c for c in other["curve"] if c["samples"] > 0}
+            both = [(c, theirs[c["samples"]]) for c in b["curve"] if c["samples"] in theirs]
+            if not both:
+                continue
+            diffs = [100.0 * (o["pass_at_1"] - d["pass_at_1"]) for d, o in both]
+            points += len(diffs)
+            per_pair.append({"seed": b["seed"], "repeat": b["repeat"], "points": len(diffs),
+                             "samples": [d["samples"] for d, _ in both], "diffs": [round(x, 1) for x in diffs],
+                             "mean": round(sum(diffs) / len(diffs), 2),
+                             "answer_tokens": _mean_pair(both, "response_tokens")})  # fmt: skip
+        means = [p["mean"] for p in per_pair]
+        n = len(means)
+        mean = sum(means) / n if n else None
+        se = (sum((m - mean) ** 2 for m in means) / (n - 1) / n) ** 0.5 if n > 1 else None
+        out.append({"rule": rule, "against": base, "pairs": per_pair, "points": points,
+                    "mean_points": None if mean is None else round(mean, 2),
+                    "se_points": None if se is None else round(se, 2)})  # fmt: skip
+    return out
+
+
+def _mean_pair(both: list[tuple[dict, dict]], key: str) -> list[float | None]:
+    """The mean of ``key`` over the points, for the default's run and the rule's (None where absent)."""
+    out = []
+    for side in (0, 1):
+        vals = [p[side][key] for p in both if p[side].get(key) is not None]
+        out.append(round(sum(vals) / len(vals), 1) if vals else None)
+    return out
+
+
 def table(result: dict) -> str:
     return md_table(
-        ["rule", "k", "status", "steps", "samples", "stale dropped", "step s (mean)", "pass@1 v0", "final (version)",
+        ["rule", "seed", "k", "status", "steps", "samples", "stale dropped", "step s (mean)", "pass@1 v0", "final (version)",
          "best", "pass@1 at equal samples", f"time to v0 + {result['target_gain']:g}", "samples to it",
          "load avg at start"],
-        [[r["rule"], r["k"], r["status"], r["steps"], r["samples_trained"], r["stale_dropped"], r["mean_step_s"],
+        [[r["rule"], r.get("seed", 0), r["k"], r["status"], r["steps"], r["samples_trained"], r["stale_dropped"], r["mean_step_s"],
           r["pass_at_1_v0"], f"{r['pass_at_1_final']} (v{r['final_version']})", r["pass_at_1_best"],
           f"{r['pass_at_1_at_common']} ({r['samples_common']})",
           "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s",
           "-" if r["samples_to_target"] is None else r["samples_to_target"], r["loadavg_at_start"]]
          for r in result["runs"]],
-    )  # fmt: skip
+    ) + "".join(_paired_lines(p) for p in result.get("paired", []))  # fmt: skip
+
+
+def _paired_lines(p: dict) -> str:
+    """The paired comparison under the table: per pair, then over the pairs."""
+    rows = [[f"seed {x['seed']}" + (f" r{x['repeat']}" if x["repeat"] else ""), x["points"],
+             ", ".join(f"{d:+.1f} ({s})" for d, s in zip(x["diffs"], x["samples"], strict=True)), f"{x['mean']:+.2f}",
+             " / ".join("-" if t is None else f"{t:g}" for t in x["answer_tokens"])]
+            for x in p["pairs"]]  # fmt: skip
+    over = "-" if p["mean_points"] is None else f"{p['mean_points']:+.2f}"
+    over += "" if p["se_points"] is None else f" (standard error between the pairs {p['se_points']:.2f})"
+    rows.append([f"mean of {len(p['pairs'])} pairs", p["points"], "", over, ""])
+    head = [f"{p['rule']} - {p['against']}", "points", "pass@1 difference in points (samples)", "mean",
+            "eval answer tokens (default / rule)"]  # fmt: skip
+    return "\n\n" + md_table(head, rows)
 
 
 def plot(out: Path, result: dict) -> list[Path]:

@@ -151,8 +151,9 @@ def version_points(steps: list[dict], t0: float) -> dict[int, tuple[float, int]]
 
 
 def eval_curve(cfg, run_dir: Path, t0: float) -> list[dict]:
-    """``[{version, pass_at_1, reward_mean, wall_s, samples}]``: each evaluated version at the time
-    its trainer step ended (version 0 at 0 s), with the samples trained up to it."""
+    """``[{version, pass_at_1, reward_mean, wall_s, samples}]`` (and ``response_tokens``,
+    ``truncated`` where the eval reports them): each evaluated version at the time its trainer step
+    ended (version 0 at 0 s), with the samples trained up to it."""
     at = version_points(steps_log(run_dir), t0)
     out = {}
     for ev in metric_events(cfg):
@@ -162,6 +163,9 @@ def eval_curve(cfg, run_dir: Path, t0: float) -> list[dict]:
         out[ev["version"]] = {"version": ev["version"], "pass_at_1": rnd(ev["metrics"]["eval_pass_at_1"]),
                               "reward_mean": rnd(ev["metrics"].get("eval_reward_mean", 0.0)),
                               "wall_s": round(wall, 1), "samples": n}  # fmt: skip
+        for key, name in (("eval_response_tokens_mean", "response_tokens"), ("eval_truncated_fraction", "truncated")):
+            if key in ev["metrics"]:  # the eval's answer length: where a length-biased rule shows
+                out[ev["version"]][name] = rnd(ev["metrics"][key])
     return [out[v] for v in sorted(out)]
 
 

@@ -102,6 +102,7 @@ def run(
         cmd = f"rlstream bench {'all' if names == ALL else ' '.join(names)} --size {size}"
         cmd += " --profile" if profile else ""
         cmd += f" --budget-s {extra['budget_s']:g}" if extra and extra.get("budget_s") else ""
+        cmd += f" --seeds {','.join(map(str, extra['seeds']))}" if extra and extra.get("seeds") else ""
         for name, result in summary["results"].items():
             mod = importlib.import_module(BENCHMARKS[name])
             imgs = [Path(p) for p in result.get("plots", [])]
