@@ -129,3 +129,29 @@ def test_forked_roles_die_with_a_killed_supervisor(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_forked_role_ends_as_an_interpreter_exit_would_without_the_module_teardown(tmp_path):
+    """The server's children skip tearing down the modules they inherited but keep what a Python
+    exit does: ``atexit`` handlers run (one registered by a preloaded module here), output is
+    flushed, ``SystemExit``'s status is the exit code."""
+    from rlstream.zygote import exit_code
+
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "exit_mark.py").write_text(
+        "import atexit, os\n"
+        "def mark():\n"
+        "    with open(os.environ['EXIT_MARK'], 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
+        "atexit.register(mark)\n"
+    )
+    mark = tmp_path / "marks"
+    env = _env(PYTHONPATH=os.pathsep.join([str(tmp_path / "mods"), *sys.path]), EXIT_MARK=str(mark))
+    with Supervisor(tmp_path / "logs", env, preload=["exit_mark", *PRELOAD]) as sup:
+        helper = sup.start("help", ["--help"], may_exit=True)
+        assert isinstance(helper.proc, ForkedProc)
+        _until(lambda: "help" in sup.check(), what="--help to finish")
+        assert helper.proc.returncode == 0
+        assert "Usage: python -m rlstream" in (tmp_path / "logs" / "help.log").read_text()
+        assert str(helper.proc.pid) in mark.read_text().split()
+    assert exit_code(SystemExit()) == 0 and exit_code(SystemExit(3)) == 3 and exit_code(SystemExit("why")) == 1
