@@ -86,7 +86,8 @@ class Pipeline:
 
         feed.run(cfg)
         self.trainer = Trainer(cfg, max_steps=100_000)
-        self.roles = [RoleThread("reward", RewardWorker(cfg).run), RoleThread("rollout", RolloutWorker(cfg).run)]
+        self.rollout = RolloutWorker(cfg)
+        self.roles = [RoleThread("reward", RewardWorker(cfg).run), RoleThread("rollout", self.rollout.run)]
         self.roles.append(RoleThread("trainer", self.trainer.run))
 
     def wait(self, cond, what: str, timeout: float = 120.0):

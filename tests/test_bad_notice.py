@@ -10,6 +10,8 @@ trainer restarted afterwards is not blocked by notices it did not write.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pipeline import codec
@@ -44,10 +46,32 @@ def test_bad_notices_are_dead_lettered_and_the_pipeline_keeps_moving(make_config
     pipe = rl_pipeline.Pipeline(cfg)  # without the fix, the rollout worker dies on the first bad notice
     trainer, wait = pipe.trainer, pipe.wait
     intruder = Producer(client_conf(cfg, "intruder", kind="producer"))
+    # The trainer steps about once a second here and the rollout worker can be a version or two
+    # behind it: a notice forged at the trainer's next version then reads as implausible to the
+    # worker, or the real notice of that version overtakes it (CI, alone, lost all four tries that
+    # way once). So the trainer is held between two steps while a notice is forged and read.
+    gate, parked = threading.Event(), threading.Event()
+    gate.set()
+    step = trainer.run_once
+
+    def gated_step():
+        if not gate.is_set():
+            parked.set()
+            gate.wait(120)
+            parked.clear()
+        return step()
+
+    trainer.run_once = gated_step
+
+    def hold_trainer() -> None:
+        gate.clear()
+        wait(parked.is_set, "the trainer to stop between two steps")
+        follower = pipe.rollout.weights.control
+        wait(lambda: follower.newest >= trainer.version, f"the rollout worker to know v{trainer.version}")
 
     def forge(kind: str, **fields) -> None:
         """The intruder's notice: the trainer's newest one, changed, at the next version by default
-        (read from the trainer in-process: the trainer publishes about a version a second here)."""
+        (read from the trainer in-process, held between two steps)."""
         rec = {**real, "metadata": {"forged": kind}, "trainer_id": "", "version": trainer.version + 1, **fields}
         rec = sign(rec, key, epoch_of(real))  # past the signature check: the checks behind it
         intruder.produce_record(cfg.topics.name("control"), "WeightUpdate", rec, key=b"weights")
@@ -69,15 +93,18 @@ def test_bad_notices_are_dead_lettered_and_the_pipeline_keeps_moving(make_config
         for kind, (error_type, fields) in bad.items():
             for attempt in range(4):
                 tag = f"{kind}#{attempt}"
-                forge(tag, **fields)
                 try:
+                    hold_trainer()
+                    forge(tag, **fields)
                     got = wait(
-                        lambda t=tag: rl_pipeline.forged_dead_letters(cfg).get(t), f"the {kind} notice in rl.dlq", 20
+                        lambda t=tag: rl_pipeline.forged_dead_letters(cfg).get(t), f"the {kind} notice in rl.dlq", 60
                     )
                 except AssertionError as exc:
                     if "timed out" not in str(exc):
                         raise
                     continue  # the real notice of its version came first and was loaded: never fetched
+                finally:
+                    gate.set()
                 assert got[1], (kind, got)
                 if got[0] == error_type:
                     break
