@@ -118,6 +118,10 @@ def _become(req: dict) -> None:
     sys.argv = [entry.__file__, *req["args"]]  # as ``python -m rlstream`` sets it (click's usage line)
 
 
+THREAD_JOIN_S = 30.0
+"""How long a forked role's exit waits for its threads that are not daemons."""
+
+
 def exit_code(exc: SystemExit) -> int:
     """The status ``raise SystemExit(x)`` gives a Python process (a message is printed, status 1)."""
     if exc.code is None:
@@ -139,9 +143,15 @@ def _exit_without_module_teardown(code: int) -> None:
     import atexit
     import threading
 
-    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first at its exit
-    if shutdown is not None:
-        shutdown()
+    # the interpreter's exit first waits for the threads that are not daemons, without a bound; here
+    # the wait is bounded, so a role whose thread hangs still ends (loudly) and the supervisor sees it
+    deadline = time.monotonic() + THREAD_JOIN_S
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                print(f"rlstream: thread {t.name!r} still running {THREAD_JOIN_S:g} s after the role ended: "
+                      "exiting without it", file=sys.stderr)  # fmt: skip
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
