@@ -94,6 +94,30 @@ DRAW_KEY = "drawn_as"
 among the ``group_size`` + extra started for its group (its ``sample_index`` is its place among the
 first ``group_size`` to finish)."""
 
+QUORUM_KEY = "quorum"
+"""Trajectory metadata key, ``rollout.overprovision_tail = "train"`` only: how many of the group's
+``group_size`` samples (its first to finish) close it for training; the others are its tail,
+trained later with the baseline of the samples already trained (consumers/trainer/assembler.py)."""
+
+
+def group_quorum(trajectory: dict) -> int:
+    """The quorum a trajectory carries (0: none, the whole group closes it); ``InvalidRecord`` if it
+    is not an integer in ``[1, group_size]``."""
+    text = (trajectory.get("metadata") or {}).get(QUORUM_KEY)
+    if text is None:
+        return 0
+    try:
+        q = int(text)
+    except ValueError:
+        raise InvalidRecord(
+            f"{trajectory['trajectory_id']}: metadata {QUORUM_KEY}={text!r} is not an integer"
+        ) from None
+    if not 1 <= q <= int(trajectory["group_size"]):
+        raise InvalidRecord(
+            f"{trajectory['trajectory_id']}: metadata {QUORUM_KEY}={q} outside [1, group_size {trajectory['group_size']}]"
+        )
+    return q
+
 
 # ---- per-token version marks (Trajectory / ScoredTrajectory metadata) --------------------------
 VERSIONS_KEY = "versions"

@@ -189,7 +189,16 @@ class RolloutConfig(StrictModel):
     for its slowest sample. It changes what is trained: the slowest samples of every group are never
     seen (a bias toward short responses, documented there with the sim and real-model figures).
     Single-turn prompts whose message carries the whole group only; 0 = off (every sample is kept).
-    Counted in ``overprovision_aborted_samples`` and ``overprovision_discarded_tokens``."""
+    Counted in ``overprovision_aborted_samples`` and ``overprovision_discarded_tokens``.
+    With ``overprovision_tail = "train"`` nothing is aborted and nothing is dropped (below)."""
+    overprovision_tail: Literal["abort", "train"] = "abort"
+    """What becomes of an over-provisioned group's last ``overprovision`` samples to finish.
+    ``abort``: as above. ``train``: they run to the end and are published too, as the group's tail
+    (the group is published with ``group_size + overprovision`` samples and a quorum of
+    ``group_size``): the trainer trains the first ``group_size`` as the group as soon as they are
+    in, and each tail sample in a later step with the baseline of the samples already trained, so
+    every sample drawn is trained (or dropped as stale by the usual bound) and none is selected out
+    by its length (docs/losses.md "Over-provisioned groups")."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

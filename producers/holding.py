@@ -80,13 +80,17 @@ class SampleHold:
 class GroupRace:
     """``rollout.overprovision``: a message drawn with extra samples publishes the first ``keep``
     to finish, numbered by the order they finished (``Sample.rank``), once all ``keep`` have; the
-    worker aborts the rest. A winner finishing again (regenerated after a stale restart) passes
-    straight through."""
+    worker aborts the rest, or (``tail``, ``rollout.overprovision_tail = "train"``) lets them run
+    and passes each on as it finishes, numbered on from ``keep``. A sample already ranked (a winner
+    regenerated after a stale restart) passes straight through."""
 
-    def __init__(self) -> None:
+    def __init__(self, tail: bool = False) -> None:
+        self.tail = tail
         self._drawn: dict[Key, list] = {}
         self._won: dict[Key, list] = {}
         self._keep: dict[Key, int] = {}
+        self._next: dict[Key, int] = {}
+        """``tail``: the rank the group's next tail sample gets, once its first ``keep`` are in."""
 
     def admit(self, key: Key, samples: list, keep: int) -> None:
         self._drawn[key], self._won[key], self._keep[key] = list(samples), [], keep
@@ -95,7 +99,15 @@ class GroupRace:
         """``s`` has finished: (the samples to pass on now, the samples to abort). A sample of a
         message not racing, or one already ranked, passes on at once."""
         k = SampleHold.key(s)
-        if s.rank is not None or k not in self._drawn:
+        if s.rank is not None:
+            return [s], []
+        if k in self._next:  # a tail sample
+            s.rank = self._next[k]
+            self._next[k] += 1
+            if self._next[k] == len(self._drawn[k]):
+                del self._next[k], self._drawn[k]
+            return [s], []
+        if k not in self._drawn:
             return [s], []
         won = self._won[k]
         won.append(s)
@@ -103,9 +115,15 @@ class GroupRace:
             return [], []
         for rank, x in enumerate(won):
             x.rank = rank
+        del self._won[k], self._keep[k]
+        if self.tail:
+            if len(won) < len(self._drawn[k]):
+                self._next[k] = len(won)
+            else:
+                del self._drawn[k]
+            return won, []
         winners = {id(x) for x in won}
         losers = [x for x in self._drawn.pop(k) if id(x) not in winners]
-        del self._won[k], self._keep[k]
         return won, losers
 
     def racing(self) -> int:

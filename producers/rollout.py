@@ -90,7 +90,7 @@ class RolloutWorker(Worker):
         self.restarts = StaleRestarts.of(self.rc, cfg.rl.staleness_rule, self.k)
         self.hold = SampleHold() if self.restarts.finished else None
         """Finished samples held until their message's last one finishes (``rollout.restart_scope``)."""
-        self.race = GroupRace() if self.rc.overprovision else None
+        self.race = GroupRace(tail=self.rc.overprovision_tail == "train") if self.rc.overprovision else None
         """Over-provisioned messages: the first ``group_size`` samples to finish (``rollout.overprovision``)."""
         self._race_dropped: set[str] = set()
         """Engine request ids of aborted extra samples whose output the engine had already returned."""
@@ -281,7 +281,7 @@ class RolloutWorker(Worker):
             gen = self.commits.track(tp, msg.offset(), 1)
             self._dead_letter(self.dead_letter(msg, exc.error_type, str(exc)), gen)
             return
-        gen = self.commits.track(tp, msg.offset(), prompt["sample_count"])
+        gen = self.commits.track(tp, msg.offset(), prompt["sample_count"] + self._published_extra(prompt))
         self._per_msg += 0.2 * (prompt["sample_count"] - self._per_msg)  # samples per message, smoothed
         if not self._admissible(prompt):
             self.metrics.inc("prompts_held")
@@ -301,18 +301,30 @@ class RolloutWorker(Worker):
     def _admissible(self, prompt: dict) -> bool:
         return prompt["group_seq"] < 0 or self.weights.may_admit(prompt["group_seq"])
 
+    def _extra(self, prompt: dict) -> int:
+        """Samples drawn for the message beyond its own (``rollout.overprovision``): single-turn
+        messages that carry their whole group only."""
+        whole = prompt["sample_start"] == 0 and prompt["sample_count"] == prompt["group_size"]
+        return self.rc.overprovision if self.race is not None and prompt["task"] not in self.envs and whole else 0
+
+    def _published_extra(self, prompt: dict) -> int:
+        """Of those, the ones published too (``rollout.overprovision_tail = "train"``): the message
+        waits for their acknowledgements as well."""
+        return self._extra(prompt) if self.race is not None and self.race.tail else 0
+
     def _admit(self, tp, offset: int, prompt: dict, gen: int) -> None:
         toks = prompt["_tokens"]
         budget = min(prompt["max_new_tokens"] or self.rc.max_new_tokens, self.max_len - len(toks))
         task = prompt["task"]
         env_cls = self.envs.get(task)
+        extra, tail = self._extra(prompt), self._published_extra(prompt)
         if self.hold is not None:
-            self.hold.admit((tp, offset, gen), prompt["sample_count"])
-        whole = prompt["sample_start"] == 0 and prompt["sample_count"] == prompt["group_size"]
-        extra = self.rc.overprovision if self.race is not None and env_cls is None and whole else 0
+            self.hold.admit((tp, offset, gen), prompt["sample_count"] + tail)
         drawn = []
         for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"] + extra):
             s = Sample(prompt, i, toks, budget, tp, offset, gen=gen)
+            if tail:
+                s.quorum, s.drawn = prompt["group_size"], prompt["group_size"] + tail
             drawn.append(s)
             if env_cls is not None:
                 ctx = EnvContext(task, self.worker_id, self.tokenizer, tuple(self.rc.env.import_dirs))

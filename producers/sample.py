@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from libs.engines.base import GenOutput, GenRequest
 from pipeline import codec
 from pipeline.control import now_ms
-from pipeline.records import DRAW_KEY, ENV_REWARD_KEY, VERSIONS_KEY, format_env_reward, format_version_marks
+from pipeline.records import (
+    DRAW_KEY,
+    ENV_REWARD_KEY,
+    QUORUM_KEY,
+    VERSIONS_KEY,
+    format_env_reward,
+    format_version_marks,
+)
 from producers.envs import Environment, StepResult
 
 
@@ -64,6 +71,11 @@ class Sample:
     rank: int | None = None
     """With ``rollout.overprovision``: the sample_index it is published under (its place among
     the first ``group_size`` samples of its group to finish); ``index`` stays its draw."""
+    quorum: int = 0
+    """``rollout.overprovision_tail = "train"``: the group's ``group_size`` (its quorum); the sample
+    is published in a group of ``group_size`` + extra samples (``drawn``)."""
+    drawn: int = 0
+    """The samples drawn for its group, when ``quorum`` is set."""
 
     @property
     def tid(self) -> str:
@@ -179,13 +191,15 @@ class Sample:
             meta[ENV_REWARD_KEY] = format_env_reward(self.env_reward)
         if self.rank is not None:
             meta[DRAW_KEY] = str(self.index)
+        if self.quorum:
+            meta[QUORUM_KEY] = str(self.quorum)
         return {
             "trajectory_id": self.tid,
             "group_id": p["group_id"],
             "group_seq": p["group_seq"],
             "prompt_id": p["prompt_id"],
             "sample_index": self.published_index,
-            "group_size": p["group_size"],
+            "group_size": self.drawn if self.quorum else p["group_size"],
             "task": p["task"],
             "prompt_text": p["text"],
             "response_text": tokenizer.decode(self.tokens, skip_special_tokens=True),

@@ -197,6 +197,11 @@ class Config(StrictModel):
                 f"rollout.overprovision={self.rollout.overprovision} needs every group in one prompt message, "
                 f"but rl.replicate={self.rl.replicate} splits it over {self.rl.replicate}"
             )
+        if self.rollout.overprovision_tail == "train" and not self.rollout.overprovision:
+            raise ValueError(
+                "rollout.overprovision_tail='train' trains the extra samples rollout.overprovision draws, "
+                "but rollout.overprovision=0 draws none: set rollout.overprovision (1-2 for a group of 8)"
+            )
         return self
 
 

@@ -1,6 +1,8 @@
 """`rlstream bench learn`'s analysis: time and samples to the target gain, the final and best
 pass@1, stale drops; a run that never reaches the target says so."""
 
+import pytest
+
 from rlstream.dev.bench.learn import summarize, table, version_points
 
 
@@ -72,3 +74,21 @@ def test_the_barrier_bench_pairs_each_seeds_runs_at_equal_samples_and_averages_o
     assert "| mean of 2 pairs | 3 |  | -5.00 (standard error between the pairs 5.00) |" in text
     assert "+4.0 (320), -4.0 (640)" in text
     assert seed_sets(3) == ["feed.shuffle_seed=3", "rollout.engine.seed=3", "trainer.seed=3"]
+
+
+def test_the_barrier_bench_pairs_new_runs_with_an_earlier_files_runs_of_the_other_rules(tmp_path):
+    """``--against``: an earlier barrier.json's runs of other rules and the same seeds join the
+    comparison, marked with their file; its runs of the rules being run again are not reused."""
+    import json
+
+    from rlstream.dev.bench.barrier import earlier_runs
+
+    old = tmp_path / "barrier.json"
+    runs = [{"rule": "default", "seed": 2, "curve": []}, {"rule": "default", "seed": 5, "curve": []},
+            {"rule": "overprovision 2 tail", "seed": 2, "curve": []}]  # fmt: skip
+    old.write_text(json.dumps({"runs": runs}))
+    got = earlier_runs(str(old), ["overprovision 2 tail"], [2, 3])
+    assert [(r["rule"], r["seed"], r["from"]) for r in got] == [("default", 2, "barrier.json")]
+    assert earlier_runs(None, ["default"], [0]) == []
+    with pytest.raises(ValueError, match="no run of another rule"):
+        earlier_runs(str(old), ["default"], [7])

@@ -484,3 +484,39 @@ def test_an_over_provisioned_group_publishes_its_first_finishers_and_aborts_the_
     assert {p: off for p, off in committed(cfg).items() if p in ends} == ends  # every message committed
     last = [r["metrics"] for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "rollout"][-1]
     assert last.get("overprovision_aborted_samples", 0) == extra * groups
+
+
+def test_an_over_provisioned_group_with_a_trained_tail_publishes_every_draw_in_finishing_order(make_config):
+    """rollout.overprovision_tail = "train": nothing is aborted; every draw is published in a group
+    of group_size + extra with a quorum of group_size, numbered in finishing order (the first
+    group_size are the group's shortest draws, the rest its tail), and the prompt message is
+    committed once all of them are acknowledged."""
+    from libs.engines.sim import sample_length
+    from producers.config import SimEngineConfig
+
+    n, extra, groups, clip = 4, 2, 5, 40
+    engine = {"type": "sim", "token_latency_s": 0.01, "median_tokens": 10, "sigma": 0.8, "seed": 3}
+    cfg = make_config(
+        f"feed.source={DATA}", f"feed.limit={groups}", f"rl.group_size={n}", "rl.max_staleness=100",
+        f"rollout.max_inflight={(n + extra) * groups}", f"rollout.max_new_tokens={clip}",
+        f"rollout.overprovision={extra}", "rollout.overprovision_tail=train", "rollout.metrics_interval_s=0.3",
+        "rollout.exit_when_idle_s=3",
+        "rollout.engine={" + ", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in engine.items()) + "}",
+    )  # fmt: skip
+    feed.run(cfg)
+    run_until_idle(cfg, timeout=600)
+    got = trajectories(cfg, (n + extra) * groups)
+    assert len(got) == (n + extra) * groups == len({t["trajectory_id"] for t in got})
+    eng = SimEngineConfig(**{k: v for k, v in engine.items() if k != "type"})
+    for gid in {t["group_id"] for t in got}:
+        mine = sorted((t for t in got if t["group_id"] == gid), key=lambda t: t["sample_index"])
+        assert [t["sample_index"] for t in mine] == list(range(n + extra))
+        assert {(t["group_size"], t["metadata"]["quorum"]) for t in mine} == {(n + extra, str(n))}
+        drawn = sorted(sample_length(eng, f"{gid}/{i}", clip) for i in range(n + extra))
+        lengths = [len(codec.unpack_i32(t["response_tokens"])) for t in mine]
+        assert sorted(lengths[:n]) == drawn[:n] and sorted(lengths[n:]) == drawn[n:], (gid, drawn, lengths)
+        assert sorted(int(t["metadata"]["drawn_as"]) for t in mine) == list(range(n + extra))
+    ends = {p: end for p, end in end_offsets(cfg, cfg.topics.name("prompts")).items() if end}
+    assert {p: off for p, off in committed(cfg).items() if p in ends} == ends
+    last = [r["metrics"] for _, r in read_topic(cfg, "metrics", "MetricEvent") if r["role"] == "rollout"][-1]
+    assert last.get("overprovision_aborted_samples", 0) == 0

@@ -10,7 +10,7 @@ from consumers.trainer.batch import TrainSample, plan_step
 from consumers.trainer.loss_config import advantage_config
 
 
-def S(gid, idx, offset, partition=0, size=3, vmin=0, reward=0.0, seq=-1):
+def S(gid, idx, offset, partition=0, size=3, vmin=0, reward=0.0, seq=-1, quorum=0):
     return TrainSample(
         trajectory_id=f"{gid}/{idx}",
         prompt_group=gid,
@@ -25,6 +25,7 @@ def S(gid, idx, offset, partition=0, size=3, vmin=0, reward=0.0, seq=-1):
         version_max=vmin,
         group_size=size,
         group_seq=seq,
+        quorum=quorum,
     )
 
 
@@ -88,6 +89,34 @@ def test_plan_step_drops_stale_before_advantages_and_applies_incomplete_policy()
     assert sorted(s.trajectory_id for s in plan3.stale) == ["F/0", "F/1"]
 
 
+def test_a_quorum_group_closes_at_its_quorum_and_its_tail_trains_against_its_rewards():
+    """rollout.overprovision_tail = "train": groups of 4 with a quorum of 2."""
+    a = GroupAssembler(timeout_s=100)
+    Q = lambda g, i, off, r: S(g, i, off, size=4, reward=r, quorum=2)  # noqa: E731
+    assert a.add(Q("A", 0, 0, 1.0), 0) == "added"
+    assert a.add(Q("A", 1, 1, 0.0), 0) == "complete"  # its quorum
+    assert a.add(Q("A", 2, 2, 1.0), 0) == "added"  # the group still waits for a step: it joins it
+    assert a.add(Q("A", 2, 3, 1.0), 0) == "duplicate"
+    [g] = a.take(1)
+    assert g.complete and [s.trajectory_id for s in g.samples] == ["A/0", "A/1", "A/2"]
+    assert a.add(Q("A", 3, 4, 0.0), 0) == "tail"
+    assert a.add(Q("A", 3, 5, 0.0), 0) == "duplicate"
+    assert a.add(S("A", 9, 6, size=4), 0) == "late"  # no quorum: an ordinary late sample
+    assert a.heads_state() == {"A": {"rewards": {"A/0": 1.0, "A/1": 0.0, "A/2": 1.0}, "size": 4}}  # A/3 pending
+    [t] = a.take_tails()
+    assert t.baseline_rewards == (1.0, 0.0, 1.0) and a.heads == {}  # all 4 taken: forgotten
+    plan = plan_step(
+        [], version=0, k=0, incomplete_policy="drop", adv_cfg=advantage_config(estimator="dr_grpo"), tails=[t]
+    )
+    assert [s.trajectory_id for s in plan.train] == ["A/3"] and plan.tails == 1
+    assert plan.train[0].advantage == pytest.approx(0.0 - 2.0 / 4)  # its own reward in the baseline, as in a group
+    # a restart restores the head, and a tail read again is accepted again; a stale one is dropped
+    b = GroupAssembler(100, trained_ids=["B"], heads={"B": {"rewards": {"B/0": 1.0, "B/1": 1.0}, "size": 3}})
+    assert b.add(S("B", 2, 7, size=3, vmin=0, reward=0.0, quorum=2), 0) == "tail"
+    stale = plan_step([], 5, 1, "drop", advantage_config(estimator="grpo"), tails=b.take_tails())
+    assert [s.trajectory_id for s in stale.stale] == ["B/2"] and stale.train == [] and stale.tails == 0
+
+
 def test_offset_floor_makes_assembling_groups_re_readable():
     t = OffsetTracker()
     a = GroupAssembler(timeout_s=100)
@@ -117,14 +146,16 @@ def test_random_crashes_use_every_record_in_exactly_one_committed_step(seed):
     n_groups = 2 * G * rng.randint(3, 6)
     open_groups = []
     next_off = dict.fromkeys(range(parts), 0)
+    quorum = {}  # half the groups close at a quorum (rollout.overprovision_tail = "train")
     for gi in range(n_groups):
         size = rng.randint(1, 4)
+        quorum[f"g{gi}"] = rng.choice([0, rng.randint(1, size)])
         open_groups.append([f"g{gi}", rng.randrange(parts), size, 0])
         while open_groups and (rng.random() < 0.5 or gi == n_groups - 1):
             grp = rng.choice(open_groups)
             gid, p, size, k = grp
             off = next_off[p]
-            logs[p].append((off, S(gid, k, off, partition=p, size=size)))
+            logs[p].append((off, S(gid, k, off, partition=p, size=size, quorum=quorum[gid])))
             next_off[p] = off + rng.choice([1, 1, 2])  # gaps: commit markers
             grp[3] += 1
             if grp[3] == size:
@@ -136,7 +167,7 @@ def test_random_crashes_use_every_record_in_exactly_one_committed_step(seed):
     while True:
         tracker, asm = (
             OffsetTracker(state and state["offsets"]),
-            GroupAssembler(1e9, 10_000, state and state["trained"]),
+            GroupAssembler(1e9, 10_000, state and state["trained"], state and state["heads"]),
         )
         pos = {p: tracker.start_offsets().get(p, 0) for p in range(parts)}
         steps_since_ckpt: list[list[str]] = []
@@ -146,22 +177,24 @@ def test_random_crashes_use_every_record_in_exactly_one_committed_step(seed):
             live = [p for p in range(parts) if any(o >= pos[p] for o, _ in logs[p])]
             groups = asm.take(G)
             if groups is None and not live:
+                groups = [] if asm.tails else None  # the last tails go in a step of their own
+            if groups is None and not live:
                 break
             if groups is None:
                 p = rng.choice(live)
                 off, s = next((o, s) for o, s in logs[p] if o >= pos[p])
                 pos[p] = off + 1
                 if not tracker.seen(p, off):
-                    asm.add(TrainSample(**{**s.__dict__}), 0)
+                    assert asm.add(TrainSample(**{**s.__dict__}), 0) != "late", s
                 continue
-            steps_since_ckpt.append([s.trajectory_id for g in groups for s in g.samples])
-            for g in groups:
-                for s in g.samples:
-                    tracker.dispose(s.partition, s.offset)
+            trained = [s for g in groups for s in g.samples] + [t.sample for t in asm.take_tails()]
+            steps_since_ckpt.append([s.trajectory_id for s in trained])
+            for s in trained:
+                tracker.dispose(s.partition, s.offset)
             if rng.random() < 0.7:  # checkpoint
                 committed.extend(steps_since_ckpt)
                 steps_since_ckpt = []
-                state = {"offsets": tracker.snapshot(), "trained": asm.trained_ids()}
+                state = {"offsets": tracker.snapshot(), "trained": asm.trained_ids(), "heads": asm.heads_state()}
             events += 1
             if events >= crash_at:
                 break  # crash: what was not checkpointed is lost

@@ -44,6 +44,8 @@ def account_step(
     m.inc("groups_filtered", len(filtered))
     m.inc("samples_filtered", sum(len(g.samples) for g in filtered))
     m.inc("overlong_masked", len(plan.overlong))
+    if plan.tails:
+        m.inc("tail_samples_trained", plan.tails)
     if token_rule:
         m.inc("samples_token_masked", len(masked))
         m.inc("tokens_stale_masked", sum(c["masked"] for c in masked.values()))
@@ -82,6 +84,7 @@ def account_step(
         "overlong": [s.trajectory_id for s in plan.overlong],
         "consumed_groups": consumed,
         "staleness": {str(d): n for d, n in lags.items()},
+        **({"tails": plan.tails} if plan.tails else {}),
         **{k: gauges[k] for k in LOGGED_GAUGES},
         # mean |trainer logprob - engine logprob| per trained token before the update: at staleness
         # 0 the engine/trainer numerical mismatch (dtype, kernels), beyond it also the policy's drift

@@ -15,6 +15,13 @@ takes is ``selection.py``'s choice: ``take`` (the oldest n, the live default) or
 replay schedule names each group's members (``expect``): such a group closes once it has exactly
 those samples (and only then; no timeout), and a sample outside them is refused as late.
 
+Groups with a quorum (``rollout.overprovision_tail = "train"``: ``TrainSample.quorum`` > 0) close,
+complete, once their first ``quorum`` samples are in; the rest of the group is its *tail*. A tail
+sample that arrives while its group waits in the queue joins it; one that arrives after a step took
+the group waits in ``tails`` with the rewards of the samples that group was taken with (``Head``,
+kept for ``memory`` groups and in the checkpoint), and the next step trains it with a baseline
+computed over those rewards and its own (``batch.plan_step``). Tails do not count as groups.
+
 ``OffsetTracker`` is the resume rule. A record is *disposed* once its fate is final: used in (or
 dropped by) a finished trainer step, or refused (late, duplicate, undecodable). Per partition it
 keeps ``floor`` = the lowest offset read but not disposed (or the next offset to read when none
@@ -73,6 +80,34 @@ class OffsetTracker:
 
 
 @dataclass
+class Head:
+    """A quorum group a step has taken: what its tail samples are trained against."""
+
+    rewards: dict[str, float]
+    """Trajectory id -> reward of the samples the group was taken with, then of its tail samples
+    in the order they came (a repeated id is a duplicate)."""
+    size: int
+    """The group's ``group_size``: once ``rewards`` has that many, no more tail can come."""
+
+    def state(self, pending: set[str]) -> dict:
+        """For the checkpoint, without the tail samples still ``pending`` (read, not yet in a step):
+        after a restart they are read again."""
+        return {"rewards": {t: r for t, r in self.rewards.items() if t not in pending}, "size": self.size}
+
+    @classmethod
+    def of(cls, state: dict) -> Head:
+        return cls({str(t): float(r) for t, r in state["rewards"].items()}, int(state["size"]))
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A tail sample waiting for a step, with the rewards of its group's earlier samples."""
+
+    sample: object
+    baseline_rewards: tuple[float, ...]
+
+
+@dataclass
 class PromptGroup:
     """The samples of one GRPO prompt group (one prompt, ``size`` samples) seen so far."""
 
@@ -84,6 +119,8 @@ class PromptGroup:
     complete: bool = False
     closed_at: float | None = None
     close_order: int = -1
+    quorum: int = 0
+    """Samples that close it (its first sample's ``quorum``); 0 = ``size``."""
 
     @property
     def version_min(self) -> int:
@@ -97,7 +134,9 @@ class PromptGroup:
 class GroupAssembler:
     """Open groups by id, plus the queue of closed groups waiting for a step."""
 
-    def __init__(self, timeout_s: float, memory: int = 20_000, trained_ids: list[str] | None = None):
+    def __init__(
+        self, timeout_s: float, memory: int = 20_000, trained_ids: list[str] | None = None, heads: dict | None = None
+    ):
         self.timeout_s = timeout_s
         self.memory = memory
         self.open: dict[str, PromptGroup] = {}
@@ -106,32 +145,94 @@ class GroupAssembler:
         self._queued: set[str] = set()
         self.trained: OrderedDict[str, None] = OrderedDict((g, None) for g in (trained_ids or []))
         self.expected: dict[str, frozenset[str]] = {}
+        self.heads: OrderedDict[str, Head] = OrderedDict((g, Head.of(h)) for g, h in (heads or {}).items())
+        """Quorum groups taken by a step whose tail may still come."""
+        self.tails: list[Tail] = []
+        """Tail samples of taken groups, waiting for a step (``take_tails``)."""
+        self.expected_tails: set[str] | None = None
+        """A replay schedule's tail samples (``expect``): only these are accepted as tails."""
+        self._early: dict[str, list] = {}
+        """Replay only: tail samples read while their group still waits in the queue."""
 
-    def expect(self, members: dict[str, frozenset[str]]) -> None:
+    def expect(self, members: dict[str, frozenset[str]], tails: set[str] | None = None) -> None:
         """Fix the members of these groups (a replay schedule): each closes when it holds exactly
         them (complete if that is ``group_size`` samples), never by timeout; other samples of such
-        a group are refused as late."""
+        a group are refused as late. ``tails``: the schedule's tail samples, the only ones then
+        accepted as tails."""
         self.expected.update(members)
+        if tails is not None:
+            self.expected_tails = (self.expected_tails or set()) | tails
 
     def add(self, sample, now: float) -> str:
-        """Add a sample: "added", "complete" (its group just closed), "late" or "duplicate"."""
+        """Add a sample: "added", "complete" (its group just closed), "tail" (a tail sample of a group
+        a step took, ``tails``), "late" or "duplicate"."""
         gid = sample.prompt_group
         if gid in self.trained or gid in self._queued:
-            return "late"
+            return self._add_tail(sample) if getattr(sample, "quorum", 0) else "late"
         members = self.expected.get(gid)
         if members is not None and sample.trajectory_id not in members:
             return "late"  # the original run refused it, or it came after the group closed there
         g = self.open.get(gid)
         if g is None:
-            g = self.open[gid] = PromptGroup(gid, sample.group_size, now)
+            g = self.open[gid] = PromptGroup(gid, sample.group_size, now, quorum=getattr(sample, "quorum", 0))
         elif any(s.trajectory_id == sample.trajectory_id for s in g.samples):
             return "duplicate"
         g.samples.append(sample)
-        if len(g.samples) >= (g.size if members is None else len(members)):
-            g.complete = len(g.samples) >= g.size
+        if len(g.samples) >= ((g.quorum or g.size) if members is None else len(members)):
+            g.complete = len(g.samples) >= (g.quorum or g.size)
             self._close(g, now)
             return "complete"
         return "added"
+
+    def _add_tail(self, sample) -> str:
+        """A sample of a closed quorum group: into the group while it waits in the queue (not under a
+        replay schedule, which fixed its members), else a tail against its ``Head``."""
+        gid, tid = sample.prompt_group, sample.trajectory_id
+        if self.expected_tails is not None and tid not in self.expected_tails:
+            return "late"  # the replayed run did not train it as a tail
+        if gid in self._queued:
+            if self.expected_tails is not None:  # a tail there: it waits until a step takes its group
+                early = self._early.setdefault(gid, [])
+                if any(s.trajectory_id == tid for s in early):
+                    return "duplicate"
+                early.append(sample)
+                return "added"
+            g = next(g for g in self.ready if g.id == gid)
+            if any(s.trajectory_id == tid for s in g.samples):
+                return "duplicate"
+            g.samples.append(sample)
+            return "added"
+        head = self.heads.get(gid)
+        if head is None:
+            return "late"  # its group was not a quorum group, or is forgotten
+        if tid in head.rewards:
+            return "duplicate"
+        self.tails.append(Tail(sample, tuple(head.rewards.values())))
+        head.rewards[tid] = sample.reward
+        return "tail"
+
+    def take_tails(self, ids: frozenset[str] | None = None) -> list[Tail] | None:
+        """The waiting tail samples (all, or exactly ``ids``: None while one of them is missing). A
+        group whose every sample has now been taken is forgotten."""
+        if ids is None:
+            out, self.tails = self.tails, []
+        else:
+            if not ids <= {t.sample.trajectory_id for t in self.tails}:
+                return None
+            out = [t for t in self.tails if t.sample.trajectory_id in ids]
+            self.tails = [t for t in self.tails if t.sample.trajectory_id not in ids]
+        waiting = {t.sample.prompt_group for t in self.tails}
+        for gid in {t.sample.prompt_group for t in out} - waiting:
+            head = self.heads.get(gid)
+            if head is not None and len(head.rewards) >= head.size:
+                del self.heads[gid]
+        return out
+
+    def heads_state(self) -> dict[str, dict]:
+        """The ``Head`` of every taken quorum group whose tail may still come (for the checkpoint),
+        less the tail samples waiting for a step (they are read again after a restart)."""
+        pending = {t.sample.trajectory_id for t in self.tails}
+        return {g: h.state(pending) for g, h in self.heads.items()}
 
     def expire(self, now: float) -> list[PromptGroup]:
         """Close every open group older than the timeout (incomplete); not the expected ones."""
@@ -175,8 +276,14 @@ class GroupAssembler:
             self._queued.discard(g.id)
             self.trained[g.id] = None
             self.expected.pop(g.id, None)
+            if g.quorum and len(g.samples) < g.size:
+                self.heads[g.id] = Head({s.trajectory_id: s.reward for s in g.samples}, g.size)
+                for s in self._early.pop(g.id, []):
+                    self._add_tail(s)
         while len(self.trained) > self.memory:
             self.trained.popitem(last=False)
+        while len(self.heads) > self.memory:
+            self.heads.popitem(last=False)
 
     def filter_ready(self, keep) -> list[PromptGroup]:
         """Remove and return the closed groups for which ``keep(group)`` is False (dynamic sampling)."""

@@ -36,7 +36,7 @@ __all__ = [
     "split_by_tokens",
     "split_minibatches",
 ]
-from pipeline.records import VERSIONS_KEY, check_scored
+from pipeline.records import VERSIONS_KEY, check_scored, group_quorum
 
 
 @dataclass
@@ -69,6 +69,9 @@ class TrainSample:
     only; ``staleness.parse_marks``). Empty: every token counts as ``version_min``."""
     cut: TokenCut | None = None
     """Set by ``plan_step`` on a trained copy whose oldest tokens the token rule masked."""
+    quorum: int = 0
+    """``rollout.overprovision_tail = "train"``: its group closes once this many samples are in (the
+    rest are its tail, ``GroupAssembler``); 0 = when all ``group_size`` are."""
 
 
 def sample_from_record(
@@ -106,6 +109,7 @@ def sample_from_record(
         group_seq=int(t["group_seq"]),
         finish_reason=str(t.get("finish_reason") or "stop"),
         version_marks=marks,
+        quorum=group_quorum(t),
     )
 
 
@@ -125,6 +129,8 @@ class StepPlan:
     """Closed groups that had fewer than group_size samples."""
     overlong: list[TrainSample] = field(default_factory=list)
     """Truncated samples masked out by overlong filtering (in their group's baseline, no gradient)."""
+    tails: int = 0
+    """Fresh tail samples of quorum groups (``rollout.overprovision_tail = "train"``) in the step."""
 
     def version_lag_counts(self) -> dict[int, int]:
         """{v - oldest trained version: samples trained} of this step (the oldest trained version is
@@ -152,6 +158,7 @@ def plan_step(
     adv_cfg,
     overlong_filter: bool = False,
     staleness_rule: str = "sample",
+    tails=(),
 ) -> StepPlan:
     """Apply the staleness bound and the incomplete-group policy, compute advantages, then (with
     ``overlong_filter``) move truncated samples (finish_reason "length") out of the trained set.
@@ -162,31 +169,54 @@ def plan_step(
     baseline (their reward is information about the prompt); they only get no gradient. Under the
     token rule a sample whose oldest tokens are too old is planned as a copy with those tokens'
     loss mask set to 0 and ``cut`` set (the group's own samples are left as recorded).
+
+    ``tails`` (``assembler.Tail``): tail samples of quorum groups an earlier step took. Each fresh
+    one gets the advantage the estimator gives it over its group's earlier rewards
+    (``baseline_rewards``, stale samples' included) followed by its own reward: the baseline it
+    would have had had it arrived with its group.
     """
     plan = StepPlan(version=version)
     estimator = advantages.build_advantage(adv_cfg)
+    fresh_of = lambda samples: _gate_all(samples, version, k, staleness_rule, plan)  # noqa: E731
     for g in groups:
         if not g.complete:
             plan.incomplete_groups += 1
-        fresh = []
-        for s in g.samples:
-            cut = gate(s, version, k, staleness_rule, trainable_start(s))
-            if cut is None:
-                plan.stale.append(s)
-            elif cut.start == 0:
-                fresh.append(s)
-            else:
-                mask = np.array(s.mask, dtype=np.uint8)  # a copy: the group's sample keeps its mask
-                mask[: cut.start] = 0
-                fresh.append(replace(s, mask=mask, cut=cut))
+        fresh = fresh_of(g.samples)
         if not g.complete and incomplete_policy == "drop":
             plan.incomplete_dropped.extend(fresh)
             continue
         for s, a in zip(fresh, estimator([s.reward for s in fresh]), strict=True):
             s.advantage = a
-        for s in fresh:
-            (plan.overlong if overlong_filter and s.finish_reason == "length" else plan.train).append(s)
+        _keep(plan, fresh, overlong_filter)
+    for t in tails:
+        fresh = fresh_of([t.sample])
+        if fresh:
+            fresh[0].advantage = estimator([*t.baseline_rewards, t.sample.reward])[-1]
+            plan.tails += 1
+        _keep(plan, fresh, overlong_filter)
     return plan
+
+
+def _gate_all(samples, version: int, k: int, staleness_rule: str, plan: StepPlan) -> list[TrainSample]:
+    """The samples the staleness bound lets train (the stale ones go to ``plan.stale``); under the
+    token rule a sample whose oldest tokens are too old comes back as a masked copy."""
+    fresh = []
+    for s in samples:
+        cut = gate(s, version, k, staleness_rule, trainable_start(s))
+        if cut is None:
+            plan.stale.append(s)
+        elif cut.start == 0:
+            fresh.append(s)
+        else:
+            mask = np.array(s.mask, dtype=np.uint8)  # a copy: the group's sample keeps its mask
+            mask[: cut.start] = 0
+            fresh.append(replace(s, mask=mask, cut=cut))
+    return fresh
+
+
+def _keep(plan: StepPlan, fresh: list[TrainSample], overlong_filter: bool) -> None:
+    for s in fresh:
+        (plan.overlong if overlong_filter and s.finish_reason == "length" else plan.train).append(s)
 
 
 def informative(

@@ -47,6 +47,8 @@ class ScheduledStep:
     """Groups dynamic sampling filtered with this step."""
     members: dict[str, frozenset[str]]
     """Group id -> the trajectory ids the original step disposed of: the group closes with exactly these."""
+    tails: frozenset[str] = frozenset()
+    """Tail samples (of quorum groups earlier steps took) the original step disposed of."""
 
 
 def schedule_from_steps_log(steps: list[dict], group_of: dict[str, set[str]]) -> list[ScheduledStep]:
@@ -62,11 +64,14 @@ def schedule_from_steps_log(steps: list[dict], group_of: dict[str, set[str]]) ->
             )
         gids = [*s.get("groups", ()), *s.get("filtered_groups", ())]
         members: dict[str, set[str]] = {g: set() for g in gids}
+        tails = set()
         for key in DISPOSED_KEYS:
             for tid in s.get(key, ()):
-                for g in group_of.get(tid, ()):
-                    if g in members:
-                        members[g].add(tid)
+                ours = [g for g in group_of.get(tid, ()) if g in members]
+                for g in ours:
+                    members[g].add(tid)
+                if not ours:  # a tail sample: its group was taken by an earlier step
+                    tails.add(tid)
         empty = [g for g, m in members.items() if not m]
         if empty:
             raise ScheduleError(
@@ -76,7 +81,7 @@ def schedule_from_steps_log(steps: list[dict], group_of: dict[str, set[str]]) ->
         out.append(
             ScheduledStep(
                 n, n - 1, tuple(s.get("groups", ())), tuple(s.get("filtered_groups", ())),
-                {g: frozenset(m) for g, m in members.items()},
+                {g: frozenset(m) for g, m in members.items()}, frozenset(tails),
             )
         )  # fmt: skip
     return out
@@ -91,6 +96,10 @@ class ArrivalSelector:
     def select(self, asm, version: int, at_end: bool, step: int, keep=None):
         filtered = asm.filter_ready(keep) if keep is not None else []
         return filtered, asm.take(self.G)
+
+    def take_tails(self, asm, step: int) -> list:
+        """The tail samples the step trains beside its groups: every one waiting."""
+        return asm.take_tails()
 
 
 class SequenceSelector:
@@ -117,6 +126,8 @@ class SequenceSelector:
             return filtered, None
         return filtered, asm.take_ids([g.id for g in chosen])
 
+    take_tails = ArrivalSelector.take_tails
+
 
 class ScheduleSelector:
     needs_end = True
@@ -128,6 +139,13 @@ class ScheduleSelector:
         """Members of every group the steps after ``from_step`` take (for ``GroupAssembler.expect``)."""
         return {g: m for st in self.schedule[from_step:] for g, m in st.members.items()}
 
+    def tail_ids(self, from_step: int) -> set[str]:
+        """The tail samples the steps after ``from_step`` train (for ``GroupAssembler.expect``)."""
+        return {t for st in self.schedule[from_step:] for t in st.tails}
+
+    def take_tails(self, asm, step: int) -> list:
+        return asm.take_tails(self.schedule[step].tails)
+
     def select(self, asm, version: int, at_end: bool, step: int, keep=None):
         if step >= len(self.schedule):
             raise ScheduleError(f"the replay schedule has {len(self.schedule)} steps; step {step + 1} has none")
@@ -136,10 +154,12 @@ class ScheduleSelector:
             raise ScheduleError(f"scheduled step {st.step} was at version {st.version}, this trainer is at {version}")
         ready = {g.id for g in asm.ready}
         missing = [g for g in (*st.groups, *st.filtered_groups) if g not in ready]
-        if not missing:
+        tails = st.tails - {t.sample.trajectory_id for t in asm.tails}
+        if not missing and not tails:
             return asm.take_ids(list(st.filtered_groups)), asm.take_ids(list(st.groups))
         if at_end:
-            raise ScheduleError(f"step {st.step} cannot be replayed: {describe(asm, st, missing)}")
+            why = describe(asm, st, missing) if missing else f"tail samples {sorted(tails)[:5]} never came"
+            raise ScheduleError(f"step {st.step} cannot be replayed: {why}")
         return [], None
 
 

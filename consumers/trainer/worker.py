@@ -125,6 +125,7 @@ class Trainer(Worker):
         self.consumed = int(ptr.get("consumed_groups", self.version * self.G)) if ptr else 0
         self._published = (self.version, self.consumed)
         self._filtered: list = []  # groups filtered by dynamic sampling, waiting for the next step
+        self._tails: list = []  # tail samples the step being planned trains (assembler.Tail)
         self._filtered_since_pub = 0
         self._progress_sent = self.consumed
         log.info("trainer state %s", kv(rank=self.rank, version=self.version, step=self.step, resumed=bool(ptr)))
@@ -142,11 +143,14 @@ class Trainer(Worker):
         self.topic = cfg.topics.name("scored")
         self.offsets = OffsetTracker(ptr["offsets"] if ptr else None)
         self.assembler = GroupAssembler(
-            tc.group_timeout_s, tc.closed_group_memory, ptr["trained_groups"] if ptr else []
+            tc.group_timeout_s,
+            tc.closed_group_memory,
+            ptr["trained_groups"] if ptr else [],
+            ptr.get("group_heads") if ptr else None,
         )
         if self.schedule is not None:
             self.selector = ScheduleSelector(self.schedule)
-            self.assembler.expect(self.selector.expectations(self.step))
+            self.assembler.expect(self.selector.expectations(self.step), self.selector.tail_ids(self.step))
         elif tc.group_order == "sequence":
             self.selector = SequenceSelector(self.G)
         else:
@@ -233,6 +237,8 @@ class Trainer(Worker):
                 continue
             status = self.assembler.add(sample, now)
             self.metrics.inc("records_read")
+            if status == "tail":
+                self.metrics.inc("tail_samples_read")
             if status in ("late", "duplicate"):
                 self.offsets.dispose(p, o)
                 self.metrics.inc(f"{status}_dropped")
@@ -263,6 +269,8 @@ class Trainer(Worker):
             self._filtered.extend(filtered)
             self._filtered_since_pub += len(filtered)
             log.debug("filtered groups %s", kv(groups=[g.id for g in filtered], version=self.version))
+        if groups is not None:
+            self._tails = self.selector.take_tails(self.assembler, self.step)
         return groups
 
     def _caught_up(self) -> bool:
@@ -319,9 +327,10 @@ class Trainer(Worker):
             tc.advantage,
             tc.overlong_filter,
             self.cfg.rl.staleness_rule,
+            self._tails,
         )
-        self._current = (groups, plan, self._filtered)
-        self._filtered = []
+        self._current = (groups, plan, self._filtered, self._tails)
+        self._filtered, self._tails = [], []
         return "step", plan.train
 
     # ---- the loop (every rank) -------------------------------------------------------------
@@ -368,10 +377,9 @@ class Trainer(Worker):
 
     def _account(self, result: dict, step_s: float) -> None:
         """Rank 0: dispose the step's records, count, log, report (``accounting.account_step``)."""
-        groups, plan, filtered = self._current
-        for g in [*groups, *filtered]:
-            for s in g.samples:
-                self.offsets.dispose(s.partition, s.offset)
+        groups, plan, filtered, tails = self._current
+        for s in [*(s for g in [*groups, *filtered] for s in g.samples), *(t.sample for t in tails)]:
+            self.offsets.dispose(s.partition, s.offset)
         self.consumed += len(groups) + len(filtered)
         entry = account_step(
             self.metrics, self.step, self.version, plan, groups, filtered, result, step_s, self.consumed,
@@ -408,6 +416,7 @@ class Trainer(Worker):
             "topic": self.topic,
             "offsets": snapshot,
             "trained_groups": self.assembler.trained_ids(),
+            "group_heads": self.assembler.heads_state(),
             "update": update,
             "consumed_groups": self.consumed,
             "counters": dict(self.metrics.counters),

@@ -91,6 +91,17 @@ def bench(
         help="learn, barrier, trl: wall-clock budget of each run; peer: its time limit (0 = the size's).",
     ),
     seeds: str = typer.Option("", "--seeds", help="barrier: comma list of seeds, one pair of runs each (default 0)."),
+    rules: str = typer.Option(
+        "",
+        "--rules",
+        help="barrier: comma list of the rules to run (default: the size's; names in its table); "
+        "async: which rows (default, token, overprovision; all by default).",
+    ),
+    against: Path | None = typer.Option(
+        None,
+        "--against",
+        help="barrier: an earlier barrier.json whose runs of the other rules (same seeds) to pair with.",
+    ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -109,5 +120,11 @@ def bench(
     path, sets = sources(config, set_)
     cfg = load(config, set_, resolve=False)
     extra = {**({"budget_s": budget_s} if budget_s else {}), **({"seeds": seed_list} if seed_list else {})}
+    if rules:
+        extra["rules"] = [r.strip() for r in rules.split(",") if r.strip()]
+    if against is not None:
+        if not against.is_file():
+            raise typer.BadParameter(f"--against {against}: no such file (a barrier.json of an earlier run)")
+        extra["against"] = str(against.resolve())
     run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print,
         extra=extra or None)  # fmt: skip

@@ -64,7 +64,8 @@ SIZES = {
     "full": {
         "sim": {"steps": 16, "groups": 8, "n": 8, "workers": 2, "inflight": 16, "latency": 0.02, "median": 12,
                 "clip": 96, "ks": [0, 1, 2, 4], "workloads": ["long-tail", "uniform"], "uniform_ks": [0, 1],
-                "token_ks": [1, 2], "overprovision": [(2, "token", 1), (2, "sample", 1)]},
+                "token_ks": [1, 2], "overprovision": [(2, "token", 1), (2, "sample", 1), (2, "token", 1, "train"),
+                                                      (2, "sample", 1, "train")]},
         "hf": {"steps": 40, "groups": 4, "n": 8, "workers": 2, "inflight": 16, "median": 16, "clip": 128,
                "ks": [0, 1, 2, 4]},
     },
@@ -300,11 +301,14 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None, extra: int = 0) -> dict:
+def run_one(
+    ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None, extra: int = 0, tail: str = "abort"
+) -> dict:
     """One pipeline run; ``rule`` sets ``rl.staleness_rule`` (None: the resolved config's),
-    ``extra`` ``rollout.overprovision``."""
+    ``extra`` ``rollout.overprovision``, ``tail`` ``rollout.overprovision_tail``."""
     sz = SIZES[ctx.size][engine]
     name = f"async-{engine}-{workload}-k{k}" + (f"-{rule}" if rule else "") + (f"-over{extra}" if extra else "")
+    name += "-tail" if extra and tail == "train" else ""
     run_dir = ctx.out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     count = 64
@@ -323,9 +327,11 @@ def run_one(ctx: BenchContext, engine: str, workload: str, k: int, rule: str | N
     rule_sets = {"rl.staleness_rule": rule} if rule else {}
     if extra:
         rule_sets["rollout.overprovision"] = extra
+        rule_sets["rollout.overprovision_tail"] = tail
     cfg, path = make_config(ctx, name, {**common_sets(sz, k, source), **sets, **rule_sets})
     res = run_pipeline(ctx, cfg, path, sz["workers"], 1, timeout_s=900, profile=["trainer", "rollout-0", "reward-0"])
     row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.rl.staleness_rule, "overprovision": extra}
+    row["overprovision_tail"] = tail if extra else None
     row.update(status=res.status, wall_s=res.wall_s)
     row["loadavg"] = res.loadavg
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))
@@ -383,19 +389,31 @@ def hf_ideal(rows: list[dict], sz: dict) -> dict | None:
     }
 
 
+ROW_FAMILIES = ("default", "token", "overprovision")
+"""``--rules`` for this bench: which rows to run (the default rule at every k, the token rule's rows,
+the over-provisioned rows); all by default."""
+
+
 def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
     engines = engines or ["sim", "hf"]
     rows = []
+    rows_wanted = set(ctx.extra.get("rules") or ROW_FAMILIES)
+    if rows_wanted - set(ROW_FAMILIES):
+        raise ValueError(
+            f"bench async --rules: unknown {sorted(rows_wanted - set(ROW_FAMILIES))}; one of {ROW_FAMILIES}"
+        )
     for engine in engines:
         sz = SIZES[ctx.size][engine]
         for workload in sz.get("workloads", ["long-tail"]):
             ks = sz.get(f"{workload}_ks", sz["ks"])
-            group = [run_one(ctx, engine, workload, k) for k in ks]
+            group = [run_one(ctx, engine, workload, k) for k in ks] if "default" in rows_wanted else []
             if engine == "sim" and workload == "long-tail":
-                group += [run_one(ctx, engine, workload, k, "token") for k in sz.get("token_ks", [])]
-                group += [
-                    run_one(ctx, engine, workload, k, rule, extra) for k, rule, extra in sz.get("overprovision", [])
-                ]
+                if "token" in rows_wanted:
+                    group += [run_one(ctx, engine, workload, k, "token") for k in sz.get("token_ks", [])]
+                if "overprovision" in rows_wanted:
+                    group += [run_one(ctx, engine, workload, *row) for row in sz.get("overprovision", [])]
+            if not group:
+                continue
             base = next((r.get("samples_per_s") for r in group if r["k"] == 0), None)
             if engine == "hf":
                 ideal = hf_ideal(group, sz)
@@ -425,11 +443,20 @@ def table(result: dict) -> str:
          _restarts(r, "regenerated_samples", "regenerate_discarded_tokens"), _thrown_away(r), r.get("tokens_masked"),
          r.get("partial_rollouts"),
          r.get("speedup_over_k0"), r.get("achieved_over_ideal"),
-         _restarts(r, "overprovision_aborted_samples", "overprovision_discarded_tokens") if r.get("overprovision") else 0,
+         _overprovision(r),
          r.get("tokens_over_ideal"), r.get("mean_response_tokens_trained")]
         for r in result["runs"]
     ]  # fmt: skip
     return md_table(headers, rows)
+
+
+def _overprovision(r: dict):
+    """The over-provisioning column: 0 (off), the aborted samples (their tokens), or the tail trained."""
+    if not r.get("overprovision"):
+        return 0
+    if r.get("overprovision_tail") == "train":
+        return f"+{r['overprovision']}, tail trained"
+    return _restarts(r, "overprovision_aborted_samples", "overprovision_discarded_tokens")
 
 
 def _restarts(r: dict, samples: str, tokens: str) -> str | None:
@@ -455,6 +482,7 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
     for r in rows:
         rule = " / token rule" if r.get("rule") == "token" else ""
         rule += f" / overprovision {r['overprovision']}" if r.get("overprovision") else ""
+        rule += " tail" if r.get("overprovision_tail") == "train" else ""
         groups.setdefault(f"{r['engine']} / {r['workload']}{rule}", []).append(r)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (title, rs) in zip(axes[0], groups.items(), strict=True):

@@ -23,14 +23,16 @@ from pathlib import Path
 from rlstream.dev.bench import learn
 from rlstream.dev.bench.harness import REPO, BenchContext, md_table, write_json
 
+RULES = {
+    "default": [],
+    "overprovision 2": ["rollout.overprovision=2"],
+    "overprovision 2 tail": ["rollout.overprovision=2", "rollout.overprovision_tail=train"],
+    "overprovision 1": ["rollout.overprovision=1"],
+}
+"""Every rule the bench knows, by the name its tables use; ``--rules`` picks some."""
 SIZES = {
-    "tiny": {**learn.SIZES["tiny"], "k": 1, "rules": {"default": [], "overprovision 2": ["rollout.overprovision=2"]}},
-    "full": {
-        **learn.SIZES["full"],
-        "k": 1,
-        "budget_s": 1200,
-        "rules": {"default": [], "overprovision 2": ["rollout.overprovision=2"]},
-    },
+    "tiny": {**learn.SIZES["tiny"], "k": 1, "rules": ["default", "overprovision 2 tail"]},
+    "full": {**learn.SIZES["full"], "k": 1, "budget_s": 1200, "rules": ["default", "overprovision 2 tail"]},
 }
 DEFAULT_SEEDS = [0]
 
@@ -48,13 +50,20 @@ def at_samples(curve: list[dict], samples: int) -> float | None:
 
 def run(ctx: BenchContext) -> dict:
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
-    names = list(sz["rules"])
+    names = list(ctx.extra.get("rules") or sz["rules"])
+    unknown = [r for r in names if r not in RULES]
+    if unknown:
+        raise ValueError(f"bench barrier --rules: unknown {unknown}; the rules are {list(RULES)}")
     seeds = list(ctx.extra.get("seeds") or DEFAULT_SEEDS)
-    runs = []
+    runs = earlier_runs(ctx.extra.get("against"), names, seeds)
+    names = [*dict.fromkeys([*(r["rule"] for r in runs), *names])]
+    if names[0] != "default" and "default" in names:  # the paired comparison is against the first
+        names = ["default", *(n for n in names if n != "default")]
     pairs = [(seed, r) for seed in seeds for r in range(sz["repeats"])]
+    mine = [n for n in names if not any(r["rule"] == n for r in runs)]
     for i, (seed, r) in enumerate(pairs):  # the order alternates from pair to pair
-        for rule in names if i % 2 == 0 else list(reversed(names)):
-            case = {**sz, "sets": [*sz["sets"], *seed_sets(seed), *sz["rules"][rule]]}
+        for rule in mine if i % 2 == 0 else list(reversed(mine)):
+            case = {**sz, "sets": [*sz["sets"], *seed_sets(seed), *RULES[rule]]}
             tag = rule.replace(" ", "")
             row = learn.run_one(ctx, f"barrier-{ctx.run_id}-{tag}-s{seed}-r{r}", sz["k"], case)
             row["rule"], row["seed"], row["repeat"] = rule, seed, r
@@ -74,6 +83,23 @@ def run(ctx: BenchContext) -> dict:
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(ctx.out / "barrier.json", result)
     return result
+
+
+def earlier_runs(path: str | None, names: list[str], seeds: list[int]) -> list[dict]:
+    """``--against``: the runs of an earlier ``barrier.json`` of the given seeds and of rules other
+    than ``names`` (those this invocation runs), each marked with the file it came from."""
+    if not path:
+        return []
+    import json
+
+    got = [
+        {**r, "from": Path(path).name}
+        for r in json.loads(Path(path).read_text())["runs"]
+        if r["rule"] not in names and r.get("seed", 0) in seeds
+    ]
+    if not got:
+        raise ValueError(f"bench barrier --against {path}: no run of another rule with seeds {seeds}")
+    return got
 
 
 def paired(runs: list[dict], names: list[str]) -> list[dict]:
@@ -123,7 +149,7 @@ def table(result: dict) -> str:
         ["rule", "seed", "k", "status", "steps", "samples", "stale dropped", "step s (mean)", "pass@1 v0", "final (version)",
          "best", "pass@1 at equal samples", f"time to v0 + {result['target_gain']:g}", "samples to it",
          "load avg at start"],
-        [[r["rule"], r.get("seed", 0), r["k"], r["status"], r["steps"], r["samples_trained"], r["stale_dropped"], r["mean_step_s"],
+        [[r["rule"] + (f" ({r['from']})" if r.get("from") else ""), r.get("seed", 0), r["k"], r["status"], r["steps"], r["samples_trained"], r["stale_dropped"], r["mean_step_s"],
           r["pass_at_1_v0"], f"{r['pass_at_1_final']} (v{r['final_version']})", r["pass_at_1_best"],
           f"{r['pass_at_1_at_common']} ({r['samples_common']})",
           "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s",
