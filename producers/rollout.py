@@ -318,8 +318,8 @@ class RolloutWorker(Worker):
         task = prompt["task"]
         env_cls = self.envs.get(task)
         extra, tail = self._extra(prompt), self._published_extra(prompt)
-        if self.hold is not None:
-            self.hold.admit((tp, offset, gen), prompt["sample_count"] + tail)
+        if self.hold is not None:  # the message's own samples; a tail (below) is never held
+            self.hold.admit((tp, offset, gen), prompt["sample_count"])
         drawn = []
         for i in range(prompt["sample_start"], prompt["sample_start"] + prompt["sample_count"] + extra):
             s = Sample(prompt, i, toks, budget, tp, offset, gen=gen)
@@ -440,7 +440,10 @@ class RolloutWorker(Worker):
         passed, losers = self.race.finished(s)
         self._abort_extra(losers)
         for x in passed:
-            self._hold(x)
+            if x.quorum and x.rank >= x.quorum:  # a tail sample: its group has closed, nothing waits for it
+                self._produce(x)
+            else:
+                self._hold(x)
 
     def _abort_extra(self, losers: list[Sample]) -> None:
         """Stop the samples of an over-provisioned group that did not finish among its first

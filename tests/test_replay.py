@@ -115,6 +115,33 @@ def test_schedule_from_a_steps_log():
         sel.select(asm, 1, True, 1)  # ... until the log's end
 
 
+def test_a_schedule_replays_tail_samples_in_the_steps_that_trained_them():
+    """rollout.overprovision_tail = "train": group a (4 samples, quorum 2) trained a/0, a/1 and a/2
+    in step 1 (a/2 joined it while it waited) and its tail a/3 in step 2 beside group b. Replayed,
+    a/3 is read before step 1 (it waits until a is taken), and step 2 takes exactly it."""
+    from consumers.trainer.assembler import GroupAssembler
+    from consumers.trainer.selection import ScheduleSelector, schedule_from_steps_log
+
+    steps = [
+        {"step": 1, "version": 0, "groups": ["a"], "used": ["a/0", "a/1", "a/2"]},
+        {"step": 2, "version": 1, "groups": ["b"], "used": ["b/0", "b/1", "a/3"], "tails": 1},
+    ]
+    group_of = {t: {t.split("/")[0]} for t in ("a/0", "a/1", "a/2", "a/3", "b/0", "b/1")}
+    sched = schedule_from_steps_log(steps, group_of)
+    assert sched[0].tails == frozenset() and sched[1].tails == {"a/3"} and sched[1].members == {"b": {"b/0", "b/1"}}
+    sel, asm = ScheduleSelector(sched), GroupAssembler(300.0)
+    asm.expect(sel.expectations(0), sel.tail_ids(0))
+    quorum = lambda i: SimpleNamespace(**_sample("a", i, size=4).__dict__, quorum=2)  # noqa: E731
+    assert _feed(asm, [quorum(i) for i in range(4)]) == ["added", "added", "complete", "added"]
+    _, [g] = sel.select(asm, 0, False, 0)
+    assert [s.trajectory_id for s in g.samples] == ["a/0", "a/1", "a/2"] and sel.take_tails(asm, 0) == []
+    assert sel.select(asm, 1, False, 1) == ([], None)  # b is not in yet
+    _feed(asm, [_sample("b", 0), _sample("b", 1)])
+    _, [gb] = sel.select(asm, 1, False, 1)
+    [t] = sel.take_tails(asm, 1)
+    assert gb.id == "b" and t.sample.trajectory_id == "a/3" and t.baseline_rewards == (0.0, 1.0, 2.0)
+
+
 # ---- against the broker -----------------------------------------------------------------------
 @pytest.mark.kafka
 @pytest.mark.slow
