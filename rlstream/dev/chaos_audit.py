@@ -8,7 +8,8 @@ committed steps only) and the injected bad records:
 
 * fed groups: distinct ``group_seq`` of the feed's Prompt records; every one of ``0..N-1`` must be
   there;
-* lost: a fed group whose trajectory ids (``<group_id>/<i>``, i < group_size) are not all in
+* lost: a fed group whose trajectory ids (``<group_id>/<i>``, i < group_size, or the larger
+  ``group_size`` its rollouts were published with: a trained tail) are not all in
   what some step disposed of (``used``, ``stale``, ``incomplete_dropped``, ``update_skipped``,
   ``filtered``, ``overlong``); stalled: a fed group that reached rl.scored but no finished step;
 * scored twice: two committed ScoredTrajectory records of one rl.rollouts (partition, offset);
@@ -53,7 +54,7 @@ def _reduce(role: str, rec: dict) -> dict:
             "feed": rec["metadata"].get("feed"),
         }
     if role == "rollouts":
-        return {"tid": rec["trajectory_id"], "gid": rec["group_id"]}
+        return {"tid": rec["trajectory_id"], "gid": rec["group_id"], "size": rec["group_size"]}
     if role == "scored":
         t = rec["trajectory"]
         return {
@@ -197,9 +198,11 @@ def audit(
         prev = first_copy.get(row["tid"])
         if prev is None or (row["p"], row["o"]) < prev[:2]:
             first_copy[row["tid"]] = (row["p"], row["o"], row["version_min"], row.get("versions"))
+    published_size: dict[str, int] = {}  # over-provisioned groups with a trained tail publish more
     for row in data["rollouts"]:
         if not row.get("bad"):
             rollout_tids[row["gid"]].add(row["tid"])
+            published_size[row["gid"]] = max(published_size.get(row["gid"], 0), row.get("size", 0))
     # per-partition order: in each rl.scored partition, the records of one rollouts partition follow
     # its offsets (a reward worker scores a partition in order and commits transactions in order)
     last_src: dict[tuple[int, int], tuple[int, int]] = {}  # (scored p, source p) -> (source o, scored o)
@@ -225,7 +228,8 @@ def audit(
     for g, row in sorted(fed.items()):
         if not 0 <= g < expected_groups:
             continue
-        gid, n = row["group_id"], row["group_size"]
+        gid = row["group_id"]
+        n = max(row["group_size"], published_size.get(gid, 0))
         missing = [i for i in range(n) if f"{gid}/{i}" not in accounted]
         if missing:
             lost.append(
