@@ -92,3 +92,15 @@ def test_the_barrier_bench_pairs_new_runs_with_an_earlier_files_runs_of_the_othe
     assert earlier_runs(None, ["default"], [0]) == []
     with pytest.raises(ValueError, match="no run of another rule"):
         earlier_runs(str(old), ["default"], [7])
+
+
+def test_equal_samples_pair_a_rule_evaluated_at_other_sample_counts_within_five_percent():
+    from rlstream.dev.bench.barrier import nearest, paired
+
+    curve = [{"samples": s, "pass_at_1": p} for s, p in ((0, 0.1), (312, 0.3), (648, 0.5), (1100, 0.6))]
+    assert nearest(curve, 320)["samples"] == 312 and nearest(curve, 640)["samples"] == 648
+    assert nearest(curve, 960) is None and nearest([{"samples": 0, "pass_at_1": 0.1}], 320) is None  # 14.6 % off; v0
+    base = {"rule": "default", "seed": 0, "repeat": 0, "curve": _curve([(0, 0.1), (10, 0.2), (20, 0.4), (30, 0.5)])}
+    [p] = paired([base, {"rule": "tail", "seed": 0, "repeat": 0, "curve": curve}], ["default", "tail"])
+    [pair] = p["pairs"]
+    assert (pair["samples"], pair["rule_samples"], pair["diffs"]) == ([320, 640], [312, 648], [10.0, 10.0])

@@ -271,6 +271,48 @@ def test_bad_late_and_duplicate_records_are_refused_and_one_trainer_owns_the_dir
     second.close()
 
 
+def test_a_quorum_groups_tail_trains_in_a_later_step_even_across_a_restart(make_config):
+    """rollout.overprovision_tail = "train": records of groups of 4 with a quorum of 2. Step 1 trains
+    a/0, a/1 as soon as they are in; a's tail (a/2, a/3) arrives after that trainer stopped, and the
+    next trainer, resumed from the checkpoint (which keeps a's rewards), trains it in step 2 beside
+    group b. A quorum outside the group is dead-lettered."""
+    from consumers.trainer.state import read_steps_log
+    from consumers.trainer.worker import Trainer
+
+    cfg = make_config(*TINY, "rl.group_size=2", "rl.groups_per_step=1", "topics.scored.partitions=1")
+
+    def q(gid, i, reward, quorum="2"):
+        rec = scored(gid, i, 4, 0, reward)
+        rec["trajectory"]["metadata"] = {"quorum": quorum}
+        return rec
+
+    sp = ScoredProducer(cfg)
+    sp.send([q("a", 0, 1.0), q("a", 1, 0.0), q("x", 0, 1.0, quorum="9")])
+    first = Trainer(cfg, max_steps=1)
+    try:
+        assert first.run() == 1
+    finally:
+        first.close()
+    sp.send([q("a", 2, 1.0), q("a", 3, 0.0), q("b", 0, 1.0), q("b", 1, 0.0)])
+    sp.close()
+    second = Trainer(cfg, max_steps=2)
+    try:
+        assert second.run() == 2
+        heads = second.assembler.heads_state()
+        counters = dict(second.metrics.counters)
+    finally:
+        second.close()
+    steps = read_steps_log(Path(cfg.run_dir) / "trainer")
+    assert [(s["groups"], sorted(s["used"]), s.get("tails", 0)) for s in steps] == [
+        (["a"], ["a/0", "a/1"], 0),
+        (["b"], ["a/2", "a/3", "b/0", "b/1"], 2),
+    ]
+    assert list(heads) == ["b"] and heads["b"]["rewards"] == {"b/0": 1.0, "b/1": 0.0}  # a is whole: forgotten
+    assert counters["tail_samples_read"] == 2 and counters["tail_samples_trained"] == 2
+    dlq = [r for name, r in read_topic(cfg, "dlq") if name == "DeadLetter"]
+    assert [r["error_type"] for r in dlq] == ["invalid"] and "quorum=9 outside" in dlq[0]["reason"]
+
+
 def test_missing_topics_are_a_clear_error(make_config):
     from consumers.trainer.worker import Trainer
     from pipeline.errors import KafkaClientError

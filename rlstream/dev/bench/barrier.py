@@ -26,7 +26,9 @@ from rlstream.dev.bench.harness import REPO, BenchContext, md_table, write_json
 RULES = {
     "default": [],
     "overprovision 2": ["rollout.overprovision=2"],
-    "overprovision 2 tail": ["rollout.overprovision=2", "rollout.overprovision_tail=train"],
+    # its steps train ~10 samples per group of 8 (the tail too), so it is evaluated every 8 versions
+    # to land near the default's sample counts (every 10 versions of 32 samples)
+    "overprovision 2 tail": ["rollout.overprovision=2", "rollout.overprovision_tail=train", "eval.every_versions=8"],
     "overprovision 1": ["rollout.overprovision=1"],
 }
 """Every rule the bench knows, by the name its tables use; ``--rules`` picks some."""
@@ -102,11 +104,23 @@ def earlier_runs(path: str | None, names: list[str], seeds: list[int]) -> list[d
     return got
 
 
+EQUAL_SAMPLES_TOLERANCE = 0.05
+"""Two evaluations count as at equal samples when their sample counts differ by at most this
+fraction (a rule whose steps train more samples than the default's is evaluated at other counts)."""
+
+
+def nearest(curve: list[dict], samples: int) -> dict | None:
+    """The evaluation of ``curve`` (v0 left out) nearest to ``samples`` trained, if within
+    ``EQUAL_SAMPLES_TOLERANCE`` of it."""
+    near = min((c for c in curve if c["samples"] > 0), key=lambda c: abs(c["samples"] - samples), default=None)
+    return near if near is not None and abs(near["samples"] - samples) <= EQUAL_SAMPLES_TOLERANCE * samples else None
+
+
 def paired(runs: list[dict], names: list[str]) -> list[dict]:
-    """Each rule against the first (the default): at every sample count > 0 that both runs of a
-    (seed, repeat) pair evaluated, the rule's pass@1 minus the default's, in points; the mean per
-    pair, the mean over the pairs and the standard error between the pairs (points inside one run
-    are not independent draws, pairs are)."""
+    """Each rule against the first (the default): at every sample count > 0 the default's run of a
+    (seed, repeat) pair evaluated and the rule's run evaluated too (``nearest``), the rule's pass@1
+    minus the default's, in points; the mean per pair, the mean over the pairs and the standard
+    error between the pairs (points inside one run are not independent draws, pairs are)."""
     out = []
     base = names[0]
     for rule in names[1:]:
@@ -115,14 +129,14 @@ def paired(runs: list[dict], names: list[str]) -> list[dict]:
             other = next((x for x in runs if x["rule"] == rule and (x["seed"], x["repeat"]) == (b["seed"], b["repeat"])), None)  # fmt: skip
             if other is None:
                 continue
-            theirs = {c["samples"]: c for c in other["curve"] if c["samples"] > 0}
-            both = [(c, theirs[c["samples"]]) for c in b["curve"] if c["samples"] in theirs]
+            both = [(c, o) for c in b["curve"] if c["samples"] > 0 and (o := nearest(other["curve"], c["samples"]))]
             if not both:
                 continue
             diffs = [100.0 * (o["pass_at_1"] - d["pass_at_1"]) for d, o in both]
             points += len(diffs)
             per_pair.append({"seed": b["seed"], "repeat": b["repeat"], "points": len(diffs),
                              "samples": [d["samples"] for d, _ in both], "diffs": [round(x, 1) for x in diffs],
+                             "rule_samples": [o["samples"] for _, o in both],
                              "mean": round(sum(diffs) / len(diffs), 2),
                              "answer_tokens": _mean_pair(both, "response_tokens")})  # fmt: skip
         means = [p["mean"] for p in per_pair]
@@ -161,7 +175,8 @@ def table(result: dict) -> str:
 def _paired_lines(p: dict) -> str:
     """The paired comparison under the table: per pair, then over the pairs."""
     rows = [[f"seed {x['seed']}" + (f" r{x['repeat']}" if x["repeat"] else ""), x["points"],
-             ", ".join(f"{d:+.1f} ({s})" for d, s in zip(x["diffs"], x["samples"], strict=True)), f"{x['mean']:+.2f}",
+             ", ".join(f"{d:+.1f} ({_at(s, r)})" for d, s, r in zip(x["diffs"], x["samples"], x.get("rule_samples", x["samples"]), strict=True)),
+             f"{x['mean']:+.2f}",
              " / ".join("-" if t is None else f"{t:g}" for t in x["answer_tokens"])]
             for x in p["pairs"]]  # fmt: skip
     over = "-" if p["mean_points"] is None else f"{p['mean_points']:+.2f}"
@@ -170,6 +185,10 @@ def _paired_lines(p: dict) -> str:
     head = [f"{p['rule']} - {p['against']}", "points", "pass@1 difference in points (samples)", "mean",
             "eval answer tokens (default / rule)"]  # fmt: skip
     return "\n\n" + md_table(head, rows)
+
+
+def _at(samples: int, rule_samples: int) -> str:
+    return str(samples) if samples == rule_samples else f"{samples} / {rule_samples}"
 
 
 def plot(out: Path, result: dict) -> list[Path]:
