@@ -30,6 +30,14 @@ RULES = {
     # to land near the default's sample counts (every 10 versions of 32 samples)
     "overprovision 2 tail": ["rollout.overprovision=2", "rollout.overprovision_tail=train", "eval.every_versions=8"],
     "overprovision 1": ["rollout.overprovision=1"],
+    # the same with 3 groups a step (~30 samples, the tail included): about as many samples per
+    # optimizer step as the default's 4 groups of 8, so equal samples are also about equal steps
+    "overprovision 2 tail G3": [
+        "rollout.overprovision=2",
+        "rollout.overprovision_tail=train",
+        "rl.groups_per_step=3",
+        "eval.every_versions=11",
+    ],
 }
 """Every rule the bench knows, by the name its tables use; ``--rules`` picks some."""
 SIZES = {
