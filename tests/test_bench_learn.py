@@ -104,3 +104,16 @@ def test_equal_samples_pair_a_rule_evaluated_at_other_sample_counts_within_five_
     [p] = paired([base, {"rule": "tail", "seed": 0, "repeat": 0, "curve": curve}], ["default", "tail"])
     [pair] = p["pairs"]
     assert (pair["samples"], pair["rule_samples"], pair["diffs"]) == ([320, 640], [312, 648], [10.0, 10.0])
+
+
+def test_rules_are_checked_against_the_one_benchmark_that_has_them_before_anything_starts():
+    import typer
+
+    from rlstream.dev.commands import check_rules
+
+    check_rules(["barrier"], ["default", "overprovision 2 tail"])
+    check_rules(["async"], ["overprovision"])
+    with pytest.raises(typer.BadParameter, match=r"barrier has no rule \['nope'\]; its rules are \['default'"):
+        check_rules(["barrier"], ["nope"])
+    with pytest.raises(typer.BadParameter, match="one benchmark run alone"):
+        check_rules(["barrier", "async"], ["default"])

@@ -50,6 +50,13 @@ def test_over_provisioned_groups_need_the_whole_group_in_one_message():
     assert load_config(overrides=["rollout.overprovision=2"], environ={}).rollout.overprovision == 2
 
 
+def test_a_trained_tail_needs_over_provisioned_groups():
+    with pytest.raises(ConfigError, match=r"overprovision_tail='train' .* rollout.overprovision=0 draws none"):
+        load_config(overrides=["rollout.overprovision_tail=train"], environ={})
+    cfg = load_config(overrides=["rollout.overprovision=1", "rollout.overprovision_tail=train"], environ={})
+    assert cfg.rollout.overprovision_tail == "train"
+
+
 def test_both_group_protocols_are_accepted():
     for proto in ("classic", "consumer", "CONSUMER"):
         cfg = load_config(overrides=[f'kafka.consumer={{"group.protocol"="{proto}"}}'], environ={})

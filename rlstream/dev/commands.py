@@ -72,6 +72,21 @@ def chaos(
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 
+def check_rules(benchmarks: list[str], rules: list[str]) -> None:
+    """``--rules`` names rows of the one benchmark that has them (barrier or async): BadParameter
+    before anything starts, naming the rules there are."""
+    from rlstream.dev.bench.async_sync import ROW_FAMILIES
+    from rlstream.dev.bench.barrier import RULES
+
+    known = {"barrier": list(RULES), "async": list(ROW_FAMILIES)}
+    mine = [b for b in benchmarks if b in known]
+    if len(mine) != 1 or len(benchmarks) != 1:
+        raise typer.BadParameter("--rules applies to one benchmark run alone: barrier or async")
+    bad = [r for r in rules if r not in known[mine[0]]]
+    if bad:
+        raise typer.BadParameter(f"--rules: {mine[0]} has no rule {bad}; its rules are {known[mine[0]]}")
+
+
 def bench(
     names: Annotated[
         list[str],
@@ -122,6 +137,7 @@ def bench(
     extra = {**({"budget_s": budget_s} if budget_s else {}), **({"seeds": seed_list} if seed_list else {})}
     if rules:
         extra["rules"] = [r.strip() for r in rules.split(",") if r.strip()]
+        check_rules(wanted, extra["rules"])
     if against is not None:
         if not against.is_file():
             raise typer.BadParameter(f"--against {against}: no such file (a barrier.json of an earlier run)")
