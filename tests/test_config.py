@@ -57,6 +57,18 @@ def test_a_trained_tail_needs_over_provisioned_groups():
     assert cfg.rollout.overprovision_tail == "train"
 
 
+def test_the_trainer_says_how_large_a_step_with_the_tail_is():
+    from consumers.trainer.worker import tail_step_note
+
+    assert tail_step_note(load_config(overrides=["rollout.overprovision=2"], environ={})) is None
+    sets = ["rl.group_size=8", "rl.groups_per_step=4", "rollout.overprovision=2", "rollout.overprovision_tail=train"]
+    note = tail_step_note(load_config(overrides=sets, environ={}))
+    assert (
+        "up to 40 samples (4 groups of 8 + 2)" in note
+        and "rl.groups_per_step=3 keeps about the default rule's 32" in note
+    )
+
+
 def test_both_group_protocols_are_accepted():
     for proto in ("classic", "consumer", "CONSUMER"):
         cfg = load_config(overrides=[f'kafka.consumer={{"group.protocol"="{proto}"}}'], environ={})

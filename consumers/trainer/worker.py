@@ -53,6 +53,21 @@ from pipeline.worker import Worker
 log = logging.getLogger(__name__)
 
 
+def tail_step_note(cfg) -> str | None:
+    """With the trained tail (``rollout.overprovision_tail = "train"``) a step of
+    ``rl.groups_per_step`` groups trains their tails too: say how large, and which setting keeps the
+    default rule's step size (on the real-model recipe the larger steps trained less well per sample;
+    docs/rollout.md)."""
+    ro, n, g = cfg.rollout, cfg.rl.group_size, cfg.rl.groups_per_step
+    if ro.overprovision_tail != "train":
+        return None
+    keep = max(1, round(g * n / (n + ro.overprovision)))
+    return (
+        f"trained tail: a step trains up to {g * (n + ro.overprovision)} samples ({g} groups of {n} + "
+        f"{ro.overprovision}); rl.groups_per_step={keep} keeps about the default rule's {g * n} (docs/rollout.md)"
+    )
+
+
 class Trainer(Worker):
     role = "trainer"
     unit = "step"
@@ -129,6 +144,8 @@ class Trainer(Worker):
         self._filtered_since_pub = 0
         self._progress_sent = self.consumed
         log.info("trainer state %s", kv(rank=self.rank, version=self.version, step=self.step, resumed=bool(ptr)))
+        if self.rank == 0 and (note := tail_step_note(cfg)):
+            log.info("%s", note)
         if self.rank == 0:
             cut = self.ckpts.truncate_steps(self.step)
             if cut:
