@@ -38,6 +38,14 @@ RULES = {
         "rl.groups_per_step=3",
         "eval.every_versions=11",
     ],
+    # the trained tail at the default's draws and step: groups of 8 draws close at a quorum of 6,
+    # the other 2 are their tail; 4 groups a step, so where tails join their group before the
+    # trainer takes it a step is the default's 4 groups of 8, and only late tails differ
+    "quorum 6 of 8 tail": [
+        "rl.group_size=6",
+        "rollout.overprovision=2",
+        "rollout.overprovision_tail=train",
+    ],
 }
 """Every rule the bench knows, by the name its tables use; ``--rules`` picks some."""
 SIZES = {
