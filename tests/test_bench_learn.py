@@ -50,7 +50,7 @@ def test_the_barrier_bench_pairs_each_seeds_runs_at_equal_samples_and_averages_o
     """Mode minus default at every sample count both runs of a seed evaluated (v0 left out), a mean
     per seed, the mean over seeds and the standard error between them; a rule's run without its
     default partner is left out rather than compared with another seed's."""
-    from rlstream.dev.bench.barrier import paired, seed_sets
+    from rlstream.dev.bench.barrier import paired, run_sets, seed_sets
     from rlstream.dev.bench.barrier import table as barrier_table
 
     def row(rule, seed, points):
@@ -74,6 +74,12 @@ def test_the_barrier_bench_pairs_each_seeds_runs_at_equal_samples_and_averages_o
     assert "| mean of 2 pairs | 3 |  | -5.00 (standard error between the pairs 5.00) |" in text
     assert "+4.0 (320), -4.0 (640)" in text
     assert seed_sets(3) == ["feed.shuffle_seed=3", "rollout.engine.seed=3", "trainer.seed=3"]
+    assert run_sets("default, other draws", 2)[-1] == "rollout.engine.seed=1002"  # the last one wins
+    assert run_sets("quorum 6 of 8 tail", 2)[3:] == [
+        "rl.group_size=6",
+        "rollout.overprovision=2",
+        "rollout.overprovision_tail=train",
+    ]
 
 
 def test_the_barrier_bench_pairs_new_runs_with_an_earlier_files_runs_of_the_other_rules(tmp_path):
@@ -117,3 +123,14 @@ def test_rules_are_checked_against_the_one_benchmark_that_has_them_before_anythi
         check_rules(["barrier"], ["nope"])
     with pytest.raises(typer.BadParameter, match="one benchmark run alone"):
         check_rules(["barrier", "async"], ["default"])
+
+
+def test_the_async_table_names_a_quorum_below_the_draws():
+    """An over-provisioned row says what it drew and trained: aborted samples, or the tail trained
+    with the quorum the group closed at where that is below the draws."""
+    from rlstream.dev.bench.async_sync import _overprovision
+
+    assert _overprovision({"overprovision": 0}) == 0
+    assert _overprovision({"overprovision": 1, "overprovision_aborted_samples": 5, "overprovision_discarded_tokens": 40}) == "5 (40)"  # fmt: skip
+    assert _overprovision({"overprovision": 2, "overprovision_tail": "train"}) == "+2, tail trained"  # an old row
+    assert _overprovision({"overprovision": 2, "overprovision_tail": "train", "quorum": 6}) == "quorum 6 of 8, tail trained"  # fmt: skip

@@ -66,7 +66,10 @@ def test_the_trainer_says_how_large_a_step_with_the_tail_is():
     assert (
         "up to 40 samples (4 groups of 8 + 2)" in note
         and "rl.groups_per_step=3 keeps about the default rule's 32" in note
+        and "rl.group_size=6 keeps its 8 draws a prompt and 32 a step" in note
     )
+    sets[:2] = ["rl.group_size=3", "rl.groups_per_step=2"]  # a quorum of 1 is not offered
+    assert "rl.group_size" not in tail_step_note(load_config(overrides=sets, environ={}))
 
 
 def test_both_group_protocols_are_accepted():

@@ -54,18 +54,22 @@ log = logging.getLogger(__name__)
 
 
 def tail_step_note(cfg) -> str | None:
-    """With the trained tail (``rollout.overprovision_tail = "train"``) a step of
-    ``rl.groups_per_step`` groups trains their tails too: say how large, and which setting keeps the
-    default rule's step size (on the real-model recipe the larger steps trained less well per sample;
-    docs/rollout.md)."""
+    """With the trained tail (``rollout.overprovision_tail = "train"``) a group is drawn
+    ``group_size + m`` strong and a step of ``rl.groups_per_step`` groups trains their tails too:
+    say how large, and which settings keep the default rule's step size (on the real-model recipe
+    the larger steps trained less well per sample; docs/rollout.md)."""
     ro, n, g = cfg.rollout, cfg.rl.group_size, cfg.rl.groups_per_step
     if ro.overprovision_tail != "train":
         return None
-    keep = max(1, round(g * n / (n + ro.overprovision)))
-    return (
-        f"trained tail: a step trains up to {g * (n + ro.overprovision)} samples ({g} groups of {n} + "
-        f"{ro.overprovision}); rl.groups_per_step={keep} keeps about the default rule's {g * n} (docs/rollout.md)"
+    m = ro.overprovision
+    keep = max(1, round(g * n / (n + m)))
+    note = (
+        f"trained tail: a step trains up to {g * (n + m)} samples ({g} groups of {n} + {m}); "
+        f"rl.groups_per_step={keep} keeps about the default rule's {g * n}"
     )
+    if n - m >= 2:  # a quorum of one has no group baseline
+        note += f", rl.group_size={n - m} keeps its {n} draws a prompt and {g * n} a step"
+    return note + " (docs/rollout.md)"
 
 
 class Trainer(Worker):

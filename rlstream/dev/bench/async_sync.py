@@ -65,7 +65,9 @@ SIZES = {
         "sim": {"steps": 16, "groups": 8, "n": 8, "workers": 2, "inflight": 16, "latency": 0.02, "median": 12,
                 "clip": 96, "ks": [0, 1, 2, 4], "workloads": ["long-tail", "uniform"], "uniform_ks": [0, 1],
                 "token_ks": [1, 2], "overprovision": [(2, "token", 1), (2, "sample", 1), (2, "token", 1, "train"),
-                                                      (2, "sample", 1, "train")]},
+                                                      (2, "sample", 1, "train")],
+                # the trained tail at the default rows' 8 draws a prompt: groups close at 6 of 8
+                "quorum": [(2, "token", 2, "train", 6), (2, "sample", 2, "train", 6)]},
         "hf": {"steps": 40, "groups": 4, "n": 8, "workers": 2, "inflight": 16, "median": 16, "clip": 128,
                "ks": [0, 1, 2, 4]},
     },
@@ -302,13 +304,23 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def run_one(
-    ctx: BenchContext, engine: str, workload: str, k: int, rule: str | None = None, extra: int = 0, tail: str = "abort"
+    ctx: BenchContext,
+    engine: str,
+    workload: str,
+    k: int,
+    rule: str | None = None,
+    extra: int = 0,
+    tail: str = "abort",
+    quorum: int | None = None,
 ) -> dict:
     """One pipeline run; ``rule`` sets ``rl.staleness_rule`` (None: the resolved config's),
-    ``extra`` ``rollout.overprovision``, ``tail`` ``rollout.overprovision_tail``."""
+    ``extra`` ``rollout.overprovision``, ``tail`` ``rollout.overprovision_tail``, ``quorum``
+    ``rl.group_size`` (the size's ``n`` when None: with ``extra``, a group is drawn ``quorum + extra``
+    strong and closes at ``quorum``)."""
     sz = SIZES[ctx.size][engine]
     name = f"async-{engine}-{workload}-k{k}" + (f"-{rule}" if rule else "") + (f"-over{extra}" if extra else "")
     name += "-tail" if extra and tail == "train" else ""
+    name += f"-q{quorum}" if quorum else ""
     run_dir = ctx.out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     count = 64
@@ -328,10 +340,13 @@ def run_one(
     if extra:
         rule_sets["rollout.overprovision"] = extra
         rule_sets["rollout.overprovision_tail"] = tail
+    if quorum:
+        rule_sets["rl.group_size"] = quorum
     cfg, path = make_config(ctx, name, {**common_sets(sz, k, source), **sets, **rule_sets})
     res = run_pipeline(ctx, cfg, path, sz["workers"], 1, timeout_s=900, profile=["trainer", "rollout-0", "reward-0"])
     row = {"engine": engine, "workload": workload, "k": k, "rule": cfg.rl.staleness_rule, "overprovision": extra}
     row["overprovision_tail"] = tail if extra else None
+    row["quorum"] = cfg.rl.group_size if extra else None
     row.update(status=res.status, wall_s=res.wall_s)
     row["loadavg"] = res.loadavg
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))
@@ -389,9 +404,10 @@ def hf_ideal(rows: list[dict], sz: dict) -> dict | None:
     }
 
 
-ROW_FAMILIES = ("default", "token", "overprovision")
+ROW_FAMILIES = ("default", "token", "overprovision", "quorum")
 """``--rules`` for this bench: which rows to run (the default rule at every k, the token rule's rows,
-the over-provisioned rows); all by default."""
+the over-provisioned rows, the over-provisioned rows at the default rows' draws a prompt); all by
+default."""
 
 
 def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
@@ -412,6 +428,8 @@ def run(ctx: BenchContext, engines: list[str] | None = None) -> dict:
                     group += [run_one(ctx, engine, workload, k, "token") for k in sz.get("token_ks", [])]
                 if "overprovision" in rows_wanted:
                     group += [run_one(ctx, engine, workload, *row) for row in sz.get("overprovision", [])]
+                if "quorum" in rows_wanted:
+                    group += [run_one(ctx, engine, workload, *row) for row in sz.get("quorum", [])]
             if not group:
                 continue
             base = next((r.get("samples_per_s") for r in group if r["k"] == 0), None)
@@ -455,7 +473,9 @@ def _overprovision(r: dict):
     if not r.get("overprovision"):
         return 0
     if r.get("overprovision_tail") == "train":
-        return f"+{r['overprovision']}, tail trained"
+        q = r.get("quorum")
+        drawn = f"quorum {q} of {q + r['overprovision']}" if q else f"+{r['overprovision']}"
+        return f"{drawn}, tail trained"
     return _restarts(r, "overprovision_aborted_samples", "overprovision_discarded_tokens")
 
 
@@ -483,6 +503,7 @@ def plot(out: Path, rows: list[dict]) -> list[Path]:
         rule = " / token rule" if r.get("rule") == "token" else ""
         rule += f" / overprovision {r['overprovision']}" if r.get("overprovision") else ""
         rule += " tail" if r.get("overprovision_tail") == "train" else ""
+        rule += f" quorum {r['quorum']}" if r.get("quorum") and r.get("overprovision_tail") == "train" else ""
         groups.setdefault(f"{r['engine']} / {r['workload']}{rule}", []).append(r)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (title, rs) in zip(axes[0], groups.items(), strict=True):

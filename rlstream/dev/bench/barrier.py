@@ -46,8 +46,12 @@ RULES = {
         "rollout.overprovision=2",
         "rollout.overprovision_tail=train",
     ],
+    # not a rule: the default rule with another sampling stream (the same data order and initial
+    # weights), to measure how far two runs of one rule land apart on this benchmark
+    "default, other draws": ["rollout.engine.seed=100{seed}"],
 }
-"""Every rule the bench knows, by the name its tables use; ``--rules`` picks some."""
+"""Every rule the bench knows, by the name its tables use; ``--rules`` picks some. ``{seed}`` in a
+setting is the run's seed."""
 SIZES = {
     "tiny": {**learn.SIZES["tiny"], "k": 1, "rules": ["default", "overprovision 2 tail"]},
     "full": {**learn.SIZES["full"], "k": 1, "budget_s": 1200, "rules": ["default", "overprovision 2 tail"]},
@@ -58,6 +62,12 @@ DEFAULT_SEEDS = [0]
 def seed_sets(seed: int) -> list[str]:
     """The settings that make a run's data order, sampling and initial draws depend on ``seed``."""
     return [f"feed.shuffle_seed={seed}", f"rollout.engine.seed={seed}", f"trainer.seed={seed}"]
+
+
+def run_sets(rule: str, seed: int) -> list[str]:
+    """The settings of one run of ``rule`` with ``seed`` (the rule's after the seed's, so a rule
+    may set a seed of its own)."""
+    return [*seed_sets(seed), *(s.format(seed=seed) for s in RULES[rule])]
 
 
 def at_samples(curve: list[dict], samples: int) -> float | None:
@@ -81,7 +91,7 @@ def run(ctx: BenchContext) -> dict:
     mine = [n for n in names if not any(r["rule"] == n for r in runs)]
     for i, (seed, r) in enumerate(pairs):  # the order alternates from pair to pair
         for rule in mine if i % 2 == 0 else list(reversed(mine)):
-            case = {**sz, "sets": [*sz["sets"], *seed_sets(seed), *RULES[rule]]}
+            case = {**sz, "sets": [*sz["sets"], *run_sets(rule, seed)]}
             tag = rule.replace(" ", "")
             row = learn.run_one(ctx, f"barrier-{ctx.run_id}-{tag}-s{seed}-r{r}", sz["k"], case)
             row["rule"], row["seed"], row["repeat"] = rule, seed, r
