@@ -74,7 +74,7 @@ def test_the_barrier_bench_pairs_each_seeds_runs_at_equal_samples_and_averages_o
     assert "| mean of 2 pairs | 3 |  | -5.00 (standard error between the pairs 5.00) |" in text
     assert "+4.0 (320), -4.0 (640)" in text
     assert seed_sets(3) == ["feed.shuffle_seed=3", "rollout.engine.seed=3", "trainer.seed=3"]
-    assert run_sets("default, other draws", 2)[-1] == "rollout.engine.seed=1002"  # the last one wins
+    assert run_sets("default other draws", 2)[-1] == "rollout.engine.seed=1002"  # the last one wins
     assert run_sets("quorum 6 of 8 tail", 2)[3:] == [
         "rl.group_size=6",
         "rollout.overprovision=2",
@@ -119,6 +119,9 @@ def test_rules_are_checked_against_the_one_benchmark_that_has_them_before_anythi
 
     check_rules(["barrier"], ["default", "overprovision 2 tail"])
     check_rules(["async"], ["overprovision"])
+    from rlstream.dev.bench.barrier import RULES
+
+    assert not [r for r in RULES if "," in r]  # --rules is a comma list
     with pytest.raises(typer.BadParameter, match=r"barrier has no rule \['nope'\]; its rules are \['default'"):
         check_rules(["barrier"], ["nope"])
     with pytest.raises(typer.BadParameter, match="one benchmark run alone"):

@@ -48,7 +48,7 @@ RULES = {
     ],
     # not a rule: the default rule with another sampling stream (the same data order and initial
     # weights), to measure how far two runs of one rule land apart on this benchmark
-    "default, other draws": ["rollout.engine.seed=100{seed}"],
+    "default other draws": ["rollout.engine.seed=100{seed}"],
 }
 """Every rule the bench knows, by the name its tables use; ``--rules`` picks some. ``{seed}`` in a
 setting is the run's seed."""
