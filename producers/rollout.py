@@ -58,6 +58,8 @@ from producers.weights import WeightSync
 log = logging.getLogger(__name__)
 STOP_FLUSH_SHARE = 0.75
 """Share of ``liveness.shutdown_timeout_s`` a stop may spend finishing samples and waiting for acks."""
+IDLE_SLICE_S = 0.01
+"""An idle worker's prompt polls last this long; rl.control is followed between them."""
 
 
 class RolloutWorker(Worker):
@@ -263,13 +265,28 @@ class RolloutWorker(Worker):
         if wait_s and self.weights.wait_fetch(wait_s):  # new weights on the way: load them as soon as
             wait_s = 0.0  # they are verified, not after a prompt poll (k = 0: bench trace, to generation)
         # consume even when full (partitions paused): it serves rebalance callbacks and max.poll.interval
-        msgs = self.consumer.consume(max(1, min(room, 100)), wait_s)
+        msgs = self._wait_prompts(max(1, min(room, 100)), wait_s)
         if msgs:
             assigned = self.consumer.assignment()
         for msg in msgs:
             self._last_work = time.monotonic()
             if (msg.topic(), msg.partition()) in assigned:  # not one revoked during this consume
                 self._on_message(msg)
+
+    def _wait_prompts(self, n: int, wait_s: float) -> list:
+        """Up to ``n`` prompt messages, waiting at most ``wait_s`` for the first: in short polls (a
+        poll returns at the first message, where a batch ``consume`` would wait out its timeout),
+        between which rl.control is followed, so an idle worker starts on new weights or on the
+        trainer's progress as soon as they are published, not after the rest of its wait."""
+        msgs = self.consumer.consume(n, 0)
+        deadline = time.monotonic() + wait_s
+        while not msgs and (left := deadline - time.monotonic()) > 0:
+            first = self.consumer.poll(min(left, IDLE_SLICE_S))
+            if first is not None:
+                return [first, *(self.consumer.consume(n - 1, 0) if n > 1 else [])]
+            if self._poll_weights():
+                break
+        return msgs
 
     def _on_message(self, msg) -> None:
         tp = (msg.topic(), msg.partition())
@@ -498,13 +515,15 @@ class RolloutWorker(Worker):
         self._last_produced = now
 
     # -- weights ---------------------------------------------------------------------------------
-    def _poll_weights(self) -> None:
+    def _poll_weights(self) -> bool:
+        """Follow rl.control (``WeightSync.poll``); True if a record was read or a fetch ended."""
         had = self.weights.loadable
-        self.weights.poll()
+        moved = self.weights.poll()
         if self.weights.loadable is not None and self.weights.loadable is not had:
             self.metrics.observe("weight_fetch_ms", self.weights.fetch_ms)
         if self.weights.admission_moves():
             self._release()
+        return moved
 
     def _maybe_load(self) -> None:
         if self.weights.loadable is None:

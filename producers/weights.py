@@ -85,9 +85,10 @@ class WeightSync:
         self.poll()
         return update
 
-    def poll(self) -> None:
-        """Follow rl.control; start a fetch for a newer notice; promote a finished fetch."""
-        self.control.poll(0)
+    def poll(self) -> bool:
+        """Follow rl.control; start a fetch for a newer notice; promote a finished fetch. True if a
+        control record was read or a fetch ended (an idle worker stops waiting on prompts)."""
+        moved = bool(self.control.poll(0))
         self.control.commands.clear()  # feed states and operator commands: not the worker's business
         upd, tries = self.control.latest_update, 0
         if self._retry is not None:  # a failed notice is retried to its bound even if a newer one came
@@ -108,9 +109,11 @@ class WeightSync:
                 raise  # the run's engine and trainer disagree: every notice would fail so
             except Exception as exc:  # missing, unreadable, sha256 mismatch: retried, then skipped
                 self._fetch_failed(upd, tries + 1, exc)
-                return
+                return True
             self.fetch_ms = (time.monotonic() - t0) * 1e3
             self.loadable = (upd, prepared, t0)
+            moved = True
+        return moved
 
     def _fetch_failed(self, upd: dict, tries: int, exc: Exception) -> None:
         self.fetch_failures += 1

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 from confluent_kafka import KafkaError
 
-from consumers.reward.worker import RewardWorker
+from consumers.reward.worker import RewardWorker, whole_groups
 from pipeline import codec
 from pipeline.admin import Admin
 from pipeline.errors import KafkaClientError, TopicError
@@ -187,6 +187,54 @@ def test_a_batch_closes_once_nothing_new_arrives(make_config):
         produce(cfg, [(b"g1", codec.encode("Trajectory", traj(i, "abc"))) for i in range(3, 5)])
         assert wait_for(lambda: transactions() == 2, 120)
         assert len(read_all(cfg, "scored", 5)) == 5
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_batch_of_whole_groups_closes_without_waiting_for_the_idle_window(make_config, whole):
+    """reward.close_whole_groups: with a quiet window (batch_idle_ms) of four minutes, a batch that
+    holds every sample of its group (rl.group_size = 4, one key) is scored at once; a group that
+    lacks a sample keeps the batch open; false waits out the window even for a whole group."""
+    cfg = make_config(
+        "reward.executor=thread", "reward.max_batch_size=100", "reward.max_batch_ms=300000",
+        "reward.batch_idle_ms=240000", "reward.max_poll_interval_ms=900000", "rl.group_size=4",
+        f"reward.close_whole_groups={str(whole).lower()}",
+    )  # fmt: skip
+    w = RewardWorker(cfg)
+
+    def transactions():  # the metrics exist once the worker is set up
+        return w.metrics.counters.get("transactions", 0) if w.metrics is not None else 0
+
+    with running(w):
+        assert wait_for(lambda: w.consumer is not None and w.consumer.assignment(), 120), "no partitions assigned"
+        produce(cfg, [(b"g1", codec.encode("Trajectory", traj(i, "abc", "g1"))) for i in range(4)])
+        if not whole:
+            assert wait_for(lambda: len(w._buffer) == 4, 120), "the group was not read"  # the open batch
+            time.sleep(3.0)  # (the window is 240 s: a batch closed here was not closed by it)
+            assert transactions() == 0
+            return
+        assert wait_for(lambda: transactions() == 1, 120), "a whole group waited for the idle window"
+        produce(cfg, [(b"g2", codec.encode("Trajectory", traj(i, "abc", "g2"))) for i in range(3)])
+        assert wait_for(lambda: len(w._buffer) == 3, 120), "the part group was not read"  # the open batch
+        time.sleep(3.0)  # three of four: the batch stays open (a close would show within this)
+        assert transactions() == 1
+        produce(cfg, [(b"g2", codec.encode("Trajectory", traj(3, "abc", "g2")))])
+        assert wait_for(lambda: transactions() == 2, 120), "the completed group waited for the idle window"
+        assert len(read_all(cfg, "scored", 8)) == 8
+
+
+def test_whole_groups_counts_samples_per_key():
+    class Msg:  # the one attribute whole_groups reads off a consumed message
+        def __init__(self, key):
+            self._key = key
+
+        def key(self):
+            return self._key
+
+    two = [Msg(b"a"), Msg(b"b"), Msg(b"a"), Msg(b"b")]
+    assert whole_groups(two, 2) and not whole_groups(two, 3)
+    assert not whole_groups([*two, Msg(b"c")], 2)  # a third group with one sample of two
+    assert not whole_groups([*two, Msg(None)], 1)  # a keyless message: its group is unknown
+    assert whole_groups([*two, Msg(b"a")], 2)  # more than a group's size (a regenerated sample)
 
 
 def test_aborted_transaction_is_rewound_and_retried(make_config):

@@ -289,6 +289,31 @@ def test_k0_admits_no_group_before_its_version_is_loaded(make_config):
     assert all(committed(cfg)[p] == hi for p, hi in ends.items() if hi > 0)
 
 
+def test_an_idle_worker_loads_new_weights_without_waiting_out_its_prompt_poll(make_config):
+    """k = 0 with rollout.poll_timeout_s = 10: once version 0's groups are out, every other prompt is
+    held, so the worker is idle in a prompt wait of 10 s. rl.control is followed during that wait:
+    version 1's groups start soon after its notice, not when the wait ends (a batch consume, which
+    waits out its timeout, took up to 10 s here)."""
+    G, n = 2, 2
+    cfg = make_config(
+        f"feed.source={DATA}", "feed.limit=6", f"rl.group_size={n}", f"rl.groups_per_step={G}",
+        "rl.max_staleness=0", "rollout.max_new_tokens=4", "rollout.poll_timeout_s=10",
+    )  # fmt: skip
+    feed.run(cfg)
+    read_topic(cfg, "prompts", "Prompt", 6)
+    w = WorkerThread(cfg)
+    wait_for(lambda: len(trajectories(cfg, 0, 0)) >= G * n, 120, "version 0's groups", worker=w)
+    wait_for(lambda: not (w.worker.running or w.worker.ready), 120, "the worker idle", worker=w)
+    time.sleep(0.5)  # into the prompt wait
+    update = publish_version(cfg, 1, base_state(cfg))
+    got = wait_for(
+        lambda: [t for t in trajectories(cfg, 0, 0) if t["version_min"] == 1], 120, "version 1's groups", worker=w
+    )
+    started_after_s = (min(t["gen_started_at_ms"] for t in got) - update["created_at_ms"]) / 1000
+    w.join()
+    assert started_after_s < 7.0, f"version 1's first sample started {started_after_s:.1f} s after its notice"
+
+
 def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
     cfg = make_config(
         f"feed.source={DATA}", "rl.group_size=2", "rl.max_staleness=100", "rollout.max_prompt_tokens=30",

@@ -40,6 +40,12 @@ class RewardConfig(ScoringConfig):
     """Close a batch early once this long passed with no new message (0: always wait max_batch_ms).
     A lightly loaded stage then adds about this much to a step instead of max_batch_ms; under load
     messages keep arriving and batches still fill."""
+    close_whole_groups: bool = True
+    """Close a batch as soon as nothing more is fetched and every group in it has ``rl.group_size``
+    samples (a group's samples share a key, so they reach one partition and one worker), without
+    waiting out ``batch_idle_ms``: a step's samples are scored and reach the trainer one quiet
+    window sooner (docs/benchmarks.md §9). False, or ``batch_idle_ms = 0``: only the windows
+    above close a batch."""
     overlap_commit: bool = False
     """Send batch N's offsets and commit its transaction on a commit thread while batch N+1 is read
     and scored (transaction N+1 begins once N has committed; a rebalance waits for the commit).

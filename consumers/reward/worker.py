@@ -2,7 +2,8 @@
 rollouts into the scored topic exactly once.
 
 Loop: collect a batch (up to ``max_batch_size`` messages or ``max_batch_ms``, closed early after
-``batch_idle_ms`` without a new message), decode and score it
+``batch_idle_ms`` without a new message, or at once when every group in it is whole), decode and
+score it
 in the pool (no consumer call while scoring), then in ONE Kafka transaction produce a
 ScoredTrajectory per good message and a DeadLetter per bad one (undecodable, wrong schema, reward
 raised, reward timed out), send the batch's next offsets with the consumer's group metadata, and
@@ -56,6 +57,9 @@ class RewardWorker(Worker):
         self.topic_dlq = cfg.topics.name("dlq")
         self.topic_metrics = cfg.topics.name("metrics")
         self._buffer: list = []
+        self.group_size = cfg.rl.group_size
+        """Samples that make a group whole for ``reward.close_whole_groups`` (with
+        ``rollout.overprovision`` the tail may never come: the first ``group_size`` make it whole)."""
         self._renewed_at: list[float] = []
         """When the consumer was replaced after a fencing (``_renew_fenced_consumer``)."""
         self.txn: ExactlyOnceLoop | None = None
@@ -297,7 +301,11 @@ class RewardWorker(Worker):
     # -- the loop -------------------------------------------------------------------------------
     def _collect(self) -> list:
         """Up to max_batch_size messages: wait idle_poll_s for a first one, then up to max_batch_ms to
-        fill, in windows of batch_idle_ms; a window that brings nothing closes the batch."""
+        fill. The batch closes early once ``batch_idle_ms`` passes without a new message, or (with
+        ``close_whole_groups``) at once when nothing more is fetched and every group in it is whole;
+        with ``batch_idle_ms`` 0 it fills or waits out ``max_batch_ms``.
+        Waits are polls, which return at the first message: a batch-sized ``consume`` would wait
+        out its whole timeout unless the batch filled."""
         rc = self.rc
         self._buffer = []
         wait = rc.idle_poll_s
@@ -307,17 +315,23 @@ class RewardWorker(Worker):
         if first is not None:
             self._keep([first])
             self.metrics.consumed()
-        deadline = time.monotonic() + rc.max_batch_ms / 1000
+        last = time.monotonic()  # the newest message's arrival
+        deadline = last + rc.max_batch_ms / 1000
         idle_s = rc.batch_idle_ms / 1000
         while self._buffer and not self.stop_event.is_set() and len(self._buffer) < rc.max_batch_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            wait = min(deadline - now, last + idle_s - now if idle_s else rc.idle_poll_s)
+            if wait <= 0:  # max_batch_ms, or batch_idle_ms without a new message
                 break
-            window = min(remaining, idle_s or rc.idle_poll_s)  # short windows: a stop is seen within one
-            got = self.consumer.consume(rc.max_batch_size - len(self._buffer), window)
-            self._keep(got)
-            if idle_s and not got:
-                break
+            got = self.consumer.consume(rc.max_batch_size - len(self._buffer), 0)  # already fetched
+            if not got:
+                if idle_s and rc.close_whole_groups and whole_groups(self._buffer, self.group_size):
+                    break
+                m = self.consumer.poll(min(wait, rc.idle_poll_s))  # short waits: a stop is seen within one
+                got = [m] if m is not None else []
+            if got:
+                self._keep(got)
+                last = time.monotonic()
         batch, self._buffer = self._buffer, []
         return batch
 
@@ -384,6 +398,18 @@ class RewardWorker(Worker):
             "sent to DLQ %s",
             kv(error_type=error_type, partition=m.partition(), offset=m.offset(), reason=reason[:200]),
         )
+
+
+def whole_groups(msgs: list, group_size: int) -> bool:
+    """Has every group among ``msgs`` (by message key: the group id) at least ``group_size``
+    messages? False if a message has no key (its group is unknown)."""
+    counts: dict[bytes, int] = {}
+    for m in msgs:
+        key = m.key()
+        if key is None:
+            return False
+        counts[key] = counts.get(key, 0) + 1
+    return all(n >= group_size for n in counts.values())
 
 
 def _fmt(partitions) -> str:

@@ -29,7 +29,11 @@ would be: the broker's start is not in the figure, its CPU is). Per run:
   between two trajectories of one rollout worker);
 * the 1-minute load average before and after.
 
-Medians per arm, and the ratio of the best rlstream arm to TRL. It prints figures and asserts nothing.
+``--size full`` also runs the recipe at k = 2 with one rollout and one reward worker (``1+1
+workers``, after k = 2 in each repeat): the job sized to a 2-core machine.
+
+Medians per arm, and the ratio to TRL of the best rlstream arm and of the recipe as shipped (its
+best k). It prints figures and asserts nothing.
 """
 
 from __future__ import annotations
@@ -45,9 +49,21 @@ from rlstream.dev.bench.harness import REPO, BenchContext, cpu_seconds, md_table
 from rlstream.dev.bench.trl_grpo import require_trl, run_child
 
 RECIPE = REPO / "examples" / "next-digit.toml"
+ONE_EACH = ["job.rollout_workers=1", "job.reward_workers=1"]
+"""The ``1+1 workers`` arm (``--size full``): the recipe with one rollout and one reward worker, at
+k = 2. On a 2-core machine the recipe's two of each spend CPU the cores do not have (five role
+processes and a broker); the arm says what a user who sizes the job to the machine gets. The
+ratio over TRL is printed for the best arm, and for the recipe as shipped."""
 SIZES = {
     "tiny": {"steps": 20, "repeats": 1, "ks": [0, 1, 2], "budget_s": 240},
-    "full": {"steps": 150, "repeats": 5, "ks": [0, 1, 2], "budget_s": 900, "trl_one_thread": True},
+    "full": {
+        "steps": 150,
+        "repeats": 5,
+        "ks": [0, 1, 2],
+        "budget_s": 900,
+        "trl_one_thread": True,
+        "layouts": {"k2w1": (2, ONE_EACH)},
+    },
 }
 REWARD_TARGET, WINDOW = 0.8, 5
 
@@ -122,12 +138,15 @@ def run_trl(ctx: BenchContext, name: str, sz: dict, threads: int | None = None) 
             "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
 
 
-def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | None) -> dict:
-    ctx.say(f"[bench] peer {name}: rlstream run, k = {k}, {sz['steps']} steps")
+def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | None, sets: list[str] = ()) -> dict:
+    """``rlstream run`` of the recipe at ``k``; ``sets`` (the ``1+1 workers`` arm) over it."""
+    ctx.say(f"[bench] peer {name}: rlstream run, k = {k}, {sz['steps']} steps {' '.join(sets)}")
     b0 = cpu_seconds(ctx.broker_pid)
     # as ``rlstream run`` runs it: the launcher's thread settings at every k (bench learn gives k = 0
     # every core per process; on a loaded machine that made k = 0 3x slower here: docs/benchmarks.md)
-    job = learn.run_job(ctx, name, k, {"recipe": RECIPE, "sets": [], "sync_threads": False, **sz}, subdir="peer")
+    job = learn.run_job(
+        ctx, name, k, {"recipe": RECIPE, "sets": list(sets), "sync_threads": False, **sz}, subdir="peer"
+    )
     b1 = cpu_seconds(ctx.broker_pid)
     broker = round(b1 - b0, 1) if b0 is not None and b1 is not None else 0.0
     steps = learn.steps_log(job["run_dir"])
@@ -137,7 +156,7 @@ def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | N
     report = job["run_dir"] / "report.json"
     stage = json.loads(report.read_text()).get("longest_pause_s") if report.is_file() else None
     cpu = job["cpu_s"] + broker
-    return {"arm": f"rlstream k={k}", "name": name, "status": job["status"], "wall_s": job["wall_s"],
+    return {"arm": f"rlstream k={k}" + (", 1+1 workers" if sets else ""), "name": name, "status": job["status"], "wall_s": job["wall_s"],
             **figures(log, job["t_start"], sz["steps"]), "samples_trained": samples, "cpu_s": round(cpu, 1),
             "broker_cpu_s": broker, "samples_per_cpu_s": rnd(samples / cpu) if cpu else None,
             "stage_pause_s": stage, "weights": digest, "loadavg": job["loadavg"]}  # fmt: skip
@@ -199,9 +218,12 @@ def run(ctx: BenchContext) -> dict:
               "repeats": sz["repeats"], "reward_target": REWARD_TARGET, "window": WINDOW, "weights": weights,
               "runs": runs}  # fmt: skip
     for r in range(sz["repeats"]):
-        for arm in ["trl", *(["trl1"] if sz.get("trl_one_thread") else []), *sz["ks"]]:
+        layouts = sz.get("layouts", {})
+        for arm in ["trl", *(["trl1"] if sz.get("trl_one_thread") else []), *sz["ks"], *layouts]:
             name = f"peer-{ctx.run_id}-{arm if isinstance(arm, str) else f'k{arm}'}-r{r}"
-            if isinstance(arm, str):
+            if arm in layouts:
+                runs.append(run_rlstream(ctx, name, layouts[arm][0], sz, weights["digest"], layouts[arm][1]))
+            elif isinstance(arm, str):
                 runs.append(run_trl(ctx, name, sz, 1 if arm == "trl1" else None))
             else:
                 runs.append(run_rlstream(ctx, name, arm, sz, weights["digest"]))
@@ -209,6 +231,7 @@ def run(ctx: BenchContext) -> dict:
             write_json(ctx.out / "peer.json", result)
     result["medians"] = medians(runs)
     result["ratio_best_over_trl"] = ratios(result["medians"])
+    result["ratio_recipe_over_trl"] = ratios([m for m in result["medians"] if "workers" not in m["arm"]])
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(ctx.out / "peer.json", result)
     return result
@@ -249,11 +272,15 @@ def table(result: dict) -> str:
           s(m["first_step_s"]), m["samples_per_cpu_s"], s(m["longest_pause_s"]), s(m["wall_s"])]
          for m in result.get("medians", [])],
     )  # fmt: skip
-    r = result.get("ratio_best_over_trl")
-    ratio = "" if not r else (
-        f"\n\nBest rlstream arm over TRL (medians, {r['arm']}): time to step {n} {x(r['time_to_steps_s'])}, "
-        f"time to reward {x(r['time_to_reward_s'])}, samples / CPU-s {x(r['samples_per_cpu_s'])}, "
-        f"longest pause {x(r['longest_pause_s'])}.")  # fmt: skip
+    ratio = ""
+    for key, what in (("ratio_best_over_trl", "Best rlstream arm"), ("ratio_recipe_over_trl", "The recipe as shipped")):
+        r = result.get(key)
+        if not r or (key == "ratio_recipe_over_trl" and r == result.get("ratio_best_over_trl")):
+            continue
+        ratio += (
+            f"\n\n{what} over TRL (medians, {r['arm']}): time to step {n} {x(r['time_to_steps_s'])}, "
+            f"time to reward {x(r['time_to_reward_s'])}, samples / CPU-s {x(r['samples_per_cpu_s'])}, "
+            f"longest pause {x(r['longest_pause_s'])}.")  # fmt: skip
     w = result["weights"]
     head = (f"Start weights: `{w['model_dir']}`, files {w['fingerprint']}, weights digest {w['digest']} "
             f"(each TRL run reports the digest of what it loaded).\n\n")  # fmt: skip
