@@ -260,16 +260,22 @@ def test_interrupt_restarts_samples_the_new_version_makes_stale(make_config, fin
         assert "regenerated_samples" not in last
 
 
-def test_k0_admits_no_group_before_its_version_is_loaded(make_config):
-    G, n = 2, 2
+def fed_at_k0(make_config, G: int, n: int, *sets: str):
+    """A k = 0 config (``G`` groups of ``n`` a step) and six prompts fed; returns the config and the
+    prompt messages by group_seq."""
     cfg = make_config(
         f"feed.source={DATA}", "feed.limit=6", f"rl.group_size={n}", f"rl.groups_per_step={G}",
-        "rl.max_staleness=0", "rollout.max_new_tokens=16", "rollout.metrics_interval_s=0.3",
+        "rl.max_staleness=0", *sets,
     )  # fmt: skip
     feed.run(cfg)
-    prompts = {r["group_seq"]: m for m, r in read_topic(cfg, "prompts", "Prompt", 6)}
+    return cfg, {r["group_seq"]: m for m, r in read_topic(cfg, "prompts", "Prompt", 6)}
+
+
+def test_k0_admits_no_group_before_its_version_is_loaded(make_config):
+    G, n = 2, 2
+    cfg, prompts = fed_at_k0(make_config, G, n, "rollout.max_new_tokens=16", "rollout.metrics_interval_s=0.3")
+    base = base_state(cfg)  # first: transformers' lazy imports raced the worker thread's (run alone: ImportError)
     w = WorkerThread(cfg)
-    base = base_state(cfg)
     for version in (0, 1, 2):
         want = (version + 1) * G * n
         got = wait_for(lambda want=want: (t := trajectories(cfg, want, 0)) and len(t) >= want and t, worker=w)
@@ -295,12 +301,7 @@ def test_an_idle_worker_loads_new_weights_without_waiting_out_its_prompt_poll(ma
     version 1's groups start soon after its notice, not when the wait ends (a batch consume, which
     waits out its timeout, took up to 10 s here)."""
     G, n = 2, 2
-    cfg = make_config(
-        f"feed.source={DATA}", "feed.limit=6", f"rl.group_size={n}", f"rl.groups_per_step={G}",
-        "rl.max_staleness=0", "rollout.max_new_tokens=4", "rollout.poll_timeout_s=10",
-    )  # fmt: skip
-    feed.run(cfg)
-    read_topic(cfg, "prompts", "Prompt", 6)
+    cfg, _ = fed_at_k0(make_config, G, n, "rollout.max_new_tokens=4", "rollout.poll_timeout_s=10")
     w = WorkerThread(cfg)
     wait_for(lambda: len(trajectories(cfg, 0, 0)) >= G * n, 120, "version 0's groups", worker=w)
     wait_for(lambda: not (w.worker.running or w.worker.ready), 120, "the worker idle", worker=w)
