@@ -302,12 +302,15 @@ def server_properties(
         "share.coordinator.state.topic.replication.factor": rf,
         "share.coordinator.state.topic.min.isr": isr,
         # a new classic group waits this long for more members before its first assignment (and as
-        # long again after each member that joined in the wait): roles started together (``rlstream
-        # run``'s forked roles reach their groups within a few hundred ms; 500 ms missed one by 0.68 s
-        # in 1 of 10 runs) then form it in one round instead of a rebalance after the first steps
-        # (~3 s with the reward workers' heartbeat: docs/benchmarks.md, "Rebalance pauses"). Kafka's
-        # default is 3000.
-        "group.initial.rebalance.delay.ms": "1000",
+        # long again after each member that joined in the wait): roles started together then form it
+        # in one round instead of a rebalance after the first steps (~3 s with the reward workers'
+        # heartbeat: docs/benchmarks.md, "Rebalance pauses"). ``rlstream run`` forks the members of
+        # a group from one fork server within milliseconds of each other, and the reward workers
+        # seconds before the first rollout (rlstream.forkserver.FIRST_COMMANDS); the rollout group's
+        # two windows (~1 s) come before the first step. 1000 (two windows: 2 s before the first
+        # step) until the staged fork server; 500 missed a reward worker by 0.68 s in 1 of 10 runs
+        # before it, when that group still formed on the first step's path. Kafka's default is 3000.
+        "group.initial.rebalance.delay.ms": "500",
         # groups on the KIP-848 protocol (kafka.consumer group.protocol=consumer): members learn of a
         # new assignment within a heartbeat, and meanwhile a member's transactional offset commit waits
         # for its new epoch; 5 s (Kafka's default) paused the pipeline up to 4.8 s when a reward worker

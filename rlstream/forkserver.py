@@ -5,7 +5,8 @@ of CPU each on a small machine) instead of one each.
 ``ForkServer`` (the supervisor's side) starts ``python -m rlstream.zygote <modules>`` (the server)
 with pipes; the server imports the modules, checks that it is still single-threaded (forking a process
 that runs native threads is unsafe: it refuses, and the supervisor starts plain processes), says
-``ready`` and then serves requests, one JSON line each on its stdin (``args``, ``env``, ``log``),
+``ready`` and then serves requests (in two stages: the modules before ``--then`` first, then the
+roles that need only those fork while it imports the rest), one JSON line each on its stdin (``args``, ``env``, ``log``),
 answering each with the forked child's PID and reporting every child's exit code as it happens
 (negative: killed by that signal, as ``subprocess.Popen.returncode``). ``ForkedProc`` is the
 supervisor's handle on such a child, with ``Popen``'s ``pid``, ``poll``, ``wait`` and
@@ -37,20 +38,29 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+THEN = "--then"
+"""Between the fork server's two stages of modules (``rlstream.zygote`` reads it)."""
+
+FIRST_MODULES = ["rlstream.cli", "rlstream.config", "confluent_kafka", "producers.feed", "consumers.reward.worker"]
+"""What the roles in ``FIRST_COMMANDS`` import: no torch, no transformers (~0.4 s)."""
+FIRST_COMMANDS = ("feed", "reward")
+"""Roles forked as soon as ``FIRST_MODULES`` are in, while the server imports the rest: a job's
+reward workers then join their consumer group (whose first assignment waits for more members, 2 s
+on the local broker) seconds before the first rollout comes, instead of after the rollout workers
+start. A role of these that imports torch itself (a user's reward model) pays that import alone."""
 ROLE_MODULES = [
+    *FIRST_MODULES,
+    THEN,
     "torch",
     "transformers",
     "transformers.modeling_utils",
     "transformers.models.auto.modeling_auto",
-    "rlstream.cli",
-    "producers.feed",
     "producers.rollout",
-    "consumers.reward.worker",
     "consumers.trainer.worker",
     "consumers.eval.worker",
-    "confluent_kafka",
 ]
-"""What every job's roles import (the model's own modeling module is added by the launcher)."""
+"""What every job's roles import, in two stages (the model's own modeling module is added by the
+launcher)."""
 
 READY_TIMEOUT_S = 300.0  # the imports, on a loaded machine
 ANSWER_TIMEOUT_S = 30.0  # a fork request's answer (the server only forks and writes one line)
@@ -71,6 +81,9 @@ class ForkServer:
         self._buf = b""
         self._replies: list[dict] = []
         self.ready: dict | None = None
+        """The server's answer once every module is imported (``ok``: it can fork)."""
+        self.first: dict | None = None
+        """Its answer once the modules before ``THEN`` are (the roles in ``FIRST_COMMANDS`` fork then)."""
         self.usable = True
         self.t0 = time.monotonic()
         fd, tmp = tempfile.mkstemp(prefix="rlstream-forkserver-", suffix=".log")
@@ -108,6 +121,8 @@ class ForkServer:
                 if "exit" in msg:
                     self.codes[msg["exit"]] = msg["code"]
                     self.children.discard(msg["exit"])
+                elif msg.get("ready") == "first" and msg.get("ok"):
+                    self.first = msg
                 elif "ready" in msg:
                     self.ready = msg
                 else:
@@ -144,16 +159,19 @@ class ForkServer:
                 return bool(what())
         return True
 
-    def wait_ready(self) -> bool:
-        """Block until the server has imported everything (or failed); whether it can fork."""
-        if self.usable and self.ready is None:
-            if not self._wait_for(lambda: self.ready is not None, self.t0 + READY_TIMEOUT_S):
+    def wait_ready(self, first: bool = False) -> bool:
+        """Block until the server has imported everything (``first``: the first stage) or failed;
+        whether it can fork."""
+        if self.usable and self.ready is None and not (first and self.first is not None):
+            if not self._wait_for(
+                lambda: self.ready is not None or (first and self.first is not None), self.t0 + READY_TIMEOUT_S
+            ):
                 self._gone(f"not ready after {READY_TIMEOUT_S:.0f} s")
                 self.close()
-            elif not self.ready.get("ok"):
+            elif self.ready is not None and not self.ready.get("ok"):
                 self._gone(self.ready.get("why", "refused"))
                 self.close()
-            else:
+            elif self.ready is not None:
                 log.info("fork server ready %s", _kv(import_s=self.ready.get("import_s"), pid=self.proc.pid))
         return self.usable
 
@@ -167,8 +185,13 @@ class ForkServer:
             keys = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
             log.info("another environment than the fork server's: a plain process %s", _kv(keys=",".join(keys)))
             return None
-        if not self.wait_ready():
+        early = bool(args) and args[0] in FIRST_COMMANDS
+        if not self.wait_ready(first=early):
             return None
+        # the server answers a request between two imports until it has them all
+        answer_by = time.monotonic() + ANSWER_TIMEOUT_S
+        if self.ready is None:
+            answer_by = max(answer_by, self.t0 + READY_TIMEOUT_S)
         log_path.touch()  # there at once, as a plain process's (the child appends to it)
         request = json.dumps({"args": args, "env": env, "log": str(log_path)}) + "\n"
         try:
@@ -177,7 +200,7 @@ class ForkServer:
         except OSError as exc:
             self._gone(f"cannot write to it: {exc}")
             return None
-        if not self._wait_for(lambda: self._replies, time.monotonic() + ANSWER_TIMEOUT_S):
+        if not self._wait_for(lambda: self._replies, answer_by):
             self._gone(f"no answer to a fork request in {ANSWER_TIMEOUT_S:.0f} s")
             self.close()
             return None

@@ -48,7 +48,7 @@ from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.log import kv
 from pipeline.notice_auth import ensure_key
 from pipeline.topology import stage_lags
-from rlstream.forkserver import ForkServer
+from rlstream.forkserver import FIRST_COMMANDS, ForkServer
 from rlstream.lease import JobLease
 from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
@@ -269,7 +269,9 @@ class Launcher:
         return path
 
     def start_roles(self, sup: Supervisor, config_path: Path) -> None:
-        for r in self.roles:
+        # the roles the fork server forks first (the feed, the reward workers), while it still
+        # imports the others' modules: the reward group forms before the first rollout is in
+        for r in sorted(self.roles, key=lambda r: r.command not in FIRST_COMMANDS):
             self.start_role(sup, r, config_path)
 
     def start_role(self, sup: Supervisor, r: RoleSpec, config_path: Path) -> None:

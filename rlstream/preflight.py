@@ -153,7 +153,7 @@ def tokenizer(cfg):
 
     m = cfg.model
     if not isinstance(m, PretrainedModelConfig):
-        return build_char_tokenizer(m.charset, m.chat_template)  # what materialize saves
+        return CharTokenizerCheck(m, build_char_tokenizer)  # what materialize saves, when a prompt needs it
     from pipeline.model_import import PACKAGED, default_dest, read_marker, resolve_model_path, source_file
 
     text = str(m.path)
@@ -172,6 +172,21 @@ def tokenizer(cfg):
 
     _load(f"model.path {text}: config.json", AutoConfig.from_pretrained, str(p))
     return _load(f"model.path {text}: the tokenizer", load_tokenizer, p)
+
+
+class CharTokenizerCheck:
+    """The tiny model's tokenizer as the checks use it: its chat template at once, the tokenizer
+    itself (``build_char_tokenizer``: transformers, ~0.7 s of a launcher's start beside the fork
+    server's imports) only when a prompt is rendered through that template."""
+
+    def __init__(self, model, build):
+        self.chat_template = model.chat_template or None
+        self._model, self._build, self._tok = model, build, None
+
+    def apply_chat_template(self, *args, **kwargs):
+        if self._tok is None:
+            self._tok = self._build(self._model.charset, self._model.chat_template)
+        return self._tok.apply_chat_template(*args, **kwargs)
 
 
 def _gguf_tokenizer(gguf: Path):

@@ -26,22 +26,19 @@ def _say(msg: dict) -> None:
         data = data[os.write(1, data) :]
 
 
-def _serve(modules: list[str]) -> dict | None:
-    """Import ``modules``, then fork on request; returns only in a forked child (its request)."""
+def _import(modules: list[str], failed: list[str]) -> None:
     import importlib
 
-    from pipeline.worker import die_with_parent
-
-    die_with_parent()  # SIGTERM when the supervisor dies; the default action ends us, and then our
-    # children get theirs
-    t0 = time.monotonic()
-    failed = []
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # an optional module (an extra not installed): the role imports it itself
             failed.append(name)
             print(f"[forkserver] cannot preload {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+def _ready(stage: str, t0: float, failed: list[str]) -> bool:
+    """Say that ``stage`` is imported; False (and say why) when forking is no longer safe."""
     threads = _threads()
     ok = threads == 1
     if ok:
@@ -49,22 +46,34 @@ def _serve(modules: list[str]) -> dict | None:
 
         gc.freeze()  # the imported objects: never scanned by a child's collections, so their pages
         # stay shared instead of being copied when the collector touches them
-    _say({"ready": True, "ok": ok, "import_s": round(time.monotonic() - t0, 2), "failed": failed,
+    _say({"ready": stage, "ok": ok, "import_s": round(time.monotonic() - t0, 2), "failed": failed,
           **({} if ok else {"why": f"{threads} threads after the imports: forking is unsafe"})})  # fmt: skip
-    if not ok:
-        return None
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    buf = b""
-    while True:
+    return ok
+
+
+class _Requests:
+    """The server's stdin (one JSON request a line) and its children's exits."""
+
+    def __init__(self):
+        self.buf = b""
+        self.wake_r, wake_w = os.pipe()
+        self.wake_w = wake_w
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.closed = False
+        self.forked = 0
+
+    def serve(self, timeout: float | None) -> dict | None:
+        """Wait up to ``timeout`` (None: until something happens) for requests, report exited
+        children, fork one child per request; returns the request in the child, None in the server
+        (``closed`` once the supervisor closed our stdin)."""
         try:
-            ready = select.select([0, wake_r], [], [])[0]
+            ready = select.select([0, self.wake_r], [], [], timeout)[0]
         except InterruptedError:
             ready = []
-        if wake_r in ready:
-            os.read(wake_r, 4096)
+        if self.wake_r in ready:
+            os.read(self.wake_r, 4096)
         while True:  # reap every child that has exited
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -74,12 +83,13 @@ def _serve(modules: list[str]) -> dict | None:
                 break
             _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
         if 0 not in ready:
-            continue
+            return None
         data = os.read(0, 65536)
         if not data:  # the supervisor closed our stdin: done (children still running get SIGTERM)
+            self.closed = True
             return None
-        buf += data
-        *lines, buf = buf.split(b"\n")
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
         for line in lines:
             req = json.loads(line)
             req["server_pid"] = os.getpid()  # (after a fork, getppid() is 1 once the server died)
@@ -90,13 +100,66 @@ def _serve(modules: list[str]) -> dict | None:
             except OSError as exc:
                 _say({"error": f"fork: {exc}"})
                 continue
+            self.forked += 1
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                os.close(wake_r)
-                os.close(wake_w)
+                os.close(self.wake_r)
+                os.close(self.wake_w)
                 return req
             _say({"pid": pid})
+        return None
+
+    def drain(self) -> dict | None:
+        """Between two imports: serve the requests waiting now, and each one that follows a fork
+        within ``NEXT_REQUEST_S`` (the supervisor sends its next request as soon as it has the
+        answer), so a job's first-stage roles start together instead of one per import."""
+        timeout = 0.0
+        while not self.closed:
+            before = self.forked
+            if (req := self.serve(timeout)) is not None:
+                return req
+            if self.forked == before:
+                break
+            timeout = NEXT_REQUEST_S
+        return None
+
+
+NEXT_REQUEST_S = 0.1
+
+
+def _serve(argv: list[str]) -> dict | None:
+    """Import the modules, then fork on request; returns only in a forked child (its request).
+
+    ``argv``: ``first... [--then rest...]``. With ``--then``, the server says ``ready: "first"``
+    once the first modules are in and serves requests between each of the others' imports (a role
+    that needs only the first starts seconds sooner: the supervisor sends its request only then),
+    then ``ready: "all"``."""
+    from pipeline.worker import die_with_parent
+    from rlstream.forkserver import THEN
+
+    die_with_parent()  # SIGTERM when the supervisor dies; the default action ends us, and then our
+    # children get theirs
+    first, rest = (argv[: argv.index(THEN)], argv[argv.index(THEN) + 1 :]) if THEN in argv else (argv, [])
+    t0 = time.monotonic()
+    failed: list[str] = []
+    _import(first, failed)
+    requests = None
+    if rest:
+        if not _ready("first", t0, failed):
+            return None
+        requests = _Requests()
+        for name in rest:
+            if (req := requests.drain()) is not None or requests.closed:
+                return req
+            _import([name], failed)
+    if not _ready("all", t0, failed):
+        return None
+    requests = requests or _Requests()
+    while not requests.closed:
+        if (req := requests.serve(None)) is not None:
+            return req
+    return None
 
 
 def _become(req: dict) -> None:

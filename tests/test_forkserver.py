@@ -155,3 +155,52 @@ def test_a_forked_role_ends_as_an_interpreter_exit_would_without_the_module_tear
         assert "Usage: python -m rlstream" in (tmp_path / "logs" / "help.log").read_text()
         assert str(helper.proc.pid) in mark.read_text().split()
     assert exit_code(SystemExit()) == 0 and exit_code(SystemExit(3)) == 3 and exit_code(SystemExit("why")) == 1
+
+
+def test_first_stage_roles_fork_while_the_server_still_imports_the_rest(tmp_path):
+    """``first... --then rest...``: a feed or reward role forks as soon as the first modules are in,
+    served between two of the others' imports (the first of them returns once a request waits on
+    the server's stdin; the second waits for a file); any other role waits until every module is
+    in. A thread started by a second-stage module: the server refuses to fork from then on and
+    exits, the role forked before it dies with it and is restarted as a plain process."""
+    from rlstream.forkserver import FIRST_COMMANDS, THEN
+
+    gate = tmp_path / "gate"
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "await_request.py").write_text("import select\nselect.select([0], [], [], 300)\n")
+    (mods / "gated_mod.py").write_text(
+        "import os, time\n"
+        "deadline = time.monotonic() + 300\n"
+        f"while not os.path.exists({str(gate)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+    )
+    (mods / "threaded_mod.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    env = _env(PYTHONPATH=os.pathsep.join([str(mods), *sys.path]))
+    assert "reward" in FIRST_COMMANDS
+    preload = [*PRELOAD, THEN, "await_request", "gated_mod"]
+    with Supervisor(tmp_path / "a", env, RestartPolicy(backoff_s=0.1), preload=preload) as sup:
+        role = sup.start("reward-0", WAITING_ROLE)
+        assert isinstance(role.proc, ForkedProc) and pid_alive(role.proc.pid)
+        assert sup.forks.first["ok"] and sup.forks.ready is None  # forked before the rest was in
+        gate.touch()
+        helper = sup.start("help", ["--help"], may_exit=True)  # not a first-stage role: after the rest
+        assert isinstance(helper.proc, ForkedProc) and sup.forks.ready["ok"]
+        _until(lambda: "help" in sup.check(), what="--help to finish")
+        assert helper.proc.returncode == 0 and role.proc.poll() is None
+        codes = sup.stop_all(timeout=60)
+    assert codes["reward-0"] == 0, (tmp_path / "a" / "reward-0.log").read_text()[-2000:]
+
+    preload = [*PRELOAD, THEN, "await_request", "threaded_mod"]
+    with Supervisor(tmp_path / "b", env, RestartPolicy(backoff_s=0.1), preload=preload) as sup:
+        early = sup.start("reward-0", WAITING_ROLE)
+        forked = early.proc.pid
+        assert isinstance(early.proc, ForkedProc)
+        late = sup.start("help", ["--help"], may_exit=True)
+        assert isinstance(late.proc, subprocess.Popen)
+        assert not sup.forks.usable and "threads after the imports" in sup.forks.ready["why"]
+        _until(lambda: (sup.check(), early.proc.pid != forked)[1], what="the early role's restart")
+        assert isinstance(early.proc, subprocess.Popen) and not pid_alive(forked)
+        sup.stop_all(timeout=60)

@@ -179,3 +179,31 @@ def test_an_environment_module_beside_the_job_file_is_found_like_a_reward(tmp_pa
     assert cfg.reward.import_dirs == cfg.rollout.env.import_dirs
     env = env_factory("my_echo_env:Echo", cfg.rollout.env.import_dirs)
     assert issubclass(env, Environment) and env.__name__ == "Echo"
+
+
+def test_the_tiny_models_checks_build_its_tokenizer_only_for_a_template(tmp_path):
+    """The tiny model's tokenizer (transformers: ~0.7 s of the launcher's start beside the fork
+    server's imports) is built only when a prompt goes through its chat template: a plain job is
+    checked without importing transformers, a chat job renders its first prompt."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from rlstream.job import plan\n"
+        "from rlstream.preflight import check\n"
+        "cfg, data = plan(sys.argv[1], [f'run_dir={json.dumps(sys.argv[2])}'])\n"
+        "check(cfg, data)\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("RLSTREAM_")}
+    plain = job_file(tmp_path, "", PLAIN)
+    (tmp_path / "chat").mkdir()
+    chat = job_file(tmp_path / "chat", f"[model]\nchat_template = {json.dumps(TEMPLATE)}\n", CHATS)
+    got = [
+        subprocess.run([sys.executable, "-c", code, str(job), str(tmp_path / "runs")], capture_output=True,
+                       text=True, env=env, timeout=300)
+        for job in (plain, chat)
+    ]  # fmt: skip
+    assert [g.returncode for g in got] == [0, 0], [g.stderr[-2000:] for g in got]
+    assert [g.stdout.split()[-1] for g in got] == ["False", "True"]
