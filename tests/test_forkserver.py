@@ -160,15 +160,23 @@ def test_a_forked_role_ends_as_an_interpreter_exit_would_without_the_module_tear
 def test_first_stage_roles_fork_while_the_server_still_imports_the_rest(tmp_path):
     """``first... --then rest...``: a feed or reward role forks as soon as the first modules are in,
     served between two of the others' imports (the first of them returns once a request waits on
-    the server's stdin; the second waits for a file); any other role waits until every module is
-    in. A thread started by a second-stage module: the server refuses to fork from then on and
-    exits, the role forked before it dies with it and is restarted as a plain process."""
+    the server's stdin or was served; the second waits for a file); any other role waits until
+    every module is in. A thread started by a second-stage module: the server refuses to fork from
+    then on and exits, the role forked before it dies with it and is restarted as a plain process."""
     from rlstream.forkserver import FIRST_COMMANDS, THEN
 
     gate = tmp_path / "gate"
     mods = tmp_path / "mods"
     mods.mkdir()
-    (mods / "await_request.py").write_text("import select\nselect.select([0], [], [], 300)\n")
+    # returns once a request waits on the server's stdin, or once the server has forked it already
+    (mods / "await_request.py").write_text(
+        "import os, select, time\n"
+        "deadline = time.monotonic() + 300\n"
+        "children = f'/proc/self/task/{os.getpid()}/children'\n"
+        "while time.monotonic() < deadline and not select.select([0], [], [], 0.05)[0]:\n"
+        "    if open(children).read().strip():\n"
+        "        break\n"
+    )
     (mods / "gated_mod.py").write_text(
         "import os, time\n"
         "deadline = time.monotonic() + 300\n"
