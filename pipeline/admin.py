@@ -357,6 +357,35 @@ class Admin:
                     result[name] = "absent"
         return result
 
+    def list_groups(self) -> set[str]:
+        """The ids of every consumer group the cluster knows."""
+        try:
+            got = self._admin.list_consumer_groups(request_timeout=self.timeout).result()
+        except KafkaException as exc:
+            raise TopicError(f"cannot list consumer groups: {exc.args[0]}", exc.args[0]) from exc
+        return {g.group_id for g in got.valid}
+
+    def delete_groups(self, groups: list[str]) -> dict[str, str]:
+        """Delete consumer groups: group -> ``deleted``, ``absent`` or ``not empty`` (members still in
+        it: a static member stays until its session times out)."""
+        existing = self.list_groups()
+        result = {g: "absent" for g in groups if g not in existing}
+        todo = [g for g in groups if g in existing]
+        if todo:
+            for group, fut in self._admin.delete_consumer_groups(todo, request_timeout=self.timeout).items():
+                try:
+                    fut.result()
+                    result[group] = "deleted"
+                except KafkaException as exc:
+                    err = exc.args[0]
+                    if err.code() == KafkaError.GROUP_ID_NOT_FOUND:
+                        result[group] = "absent"
+                    elif err.code() == KafkaError.NON_EMPTY_GROUP:
+                        result[group] = "not empty"
+                    else:
+                        raise TopicError(f"cannot delete consumer group {group}: {err}", err) from exc
+        return result
+
     # -- security --------------------------------------------------------------------------------
     def create_acls(self, acls: list[Acl], wait: bool = True) -> int:
         """Create every binding of ``acls`` (existing ones are left as they are); returns how many

@@ -191,6 +191,9 @@ class TopicsConfig(StrictModel):
     """The job lease of ``rlstream run``/``demo`` (``rlstream.lease``: one run per job): created by
     the launcher, not one of the roles' topics (``specs``). Broker timestamps, so liveness never
     compares two machines' clocks."""
+    job: TopicSpec = TopicSpec(name="job", partitions=1, retention_ms=-1)
+    """The job's record of ``rlstream run`` (``rlstream.identity``: its resolved settings, written at
+    every start, compared at the next): created by the launcher, not one of the roles' topics."""
 
     @model_validator(mode="before")
     @classmethod
@@ -209,6 +212,8 @@ class TopicsConfig(StrictModel):
             raise ValueError("topics.control.partitions must be 1 (a late joiner reads the newest notice)")
         if self.lease.partitions != 1:
             raise ValueError("topics.lease.partitions must be 1 (claims are ordered by their offsets)")
+        if self.job.partitions != 1:
+            raise ValueError("topics.job.partitions must be 1 (the newest record is the job's)")
         if (self.min_insync_replicas or 0) > self.replication_factor:
             raise ValueError(
                 f"topics.min_insync_replicas ({self.min_insync_replicas}) must not exceed topics.replication_factor "
@@ -221,8 +226,8 @@ class TopicsConfig(StrictModel):
         return {k: getattr(self, k) for k in ("prompts", "rollouts", "scored", "control", "metrics", "dlq")}
 
     def name(self, role: str) -> str:
-        """Full topic name of a role (or ``lease``), e.g. ``name("rollouts") == "rl.rollouts"``."""
-        spec = self.lease if role == "lease" else self.specs()[role]
+        """Full topic name of a role (or ``lease``, ``job``), e.g. ``name("rollouts") == "rl.rollouts"``."""
+        spec = getattr(self, role) if role in ("lease", "job") else self.specs()[role]
         return self.prefix + spec.name
 
 

@@ -105,3 +105,15 @@ class JobAlreadyRunning(RlstreamError):
     """Another run of the same job (its lease on the job's lease topic, or its run dir) is alive:
     a second launch is refused before it starts a role or writes to the run dir. The message
     names the running one (pid, host, start time, run id) and what to do."""
+
+
+class JobChanged(RlstreamError):
+    """A launch of an existing job with settings that change what it learns (model, data, reward,
+    loss, group size, prompt format, tools, ...) or where it lives (run dir, checkpoint store,
+    topics): refused before anything starts. The message names each changed key with its old and
+    new value; start the job over (``--restart``), branch it (``--fork NEW``), or undo the change."""
+
+
+class NothingToTrain(RlstreamError):
+    """A launch of a job that has already reached the asked-for ``trainer.max_steps``: nothing would
+    be trained. Give a higher ``--steps``, or start the job over."""

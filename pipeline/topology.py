@@ -131,7 +131,7 @@ class Topology:
     def names(self) -> dict[str, str]:
         """Every name the run uses on the cluster: ``topic.<role>`` (the lease too),
         ``group.<stage>`` and ``transactional_id_prefix``."""
-        roles = [*self.cfg.topics.specs(), "lease"]
+        roles = [*self.cfg.topics.specs(), "lease", "job"]
         return {
             **{f"topic.{r}": self.topic(r) for r in roles},
             **{f"group.{s}": self.group(s) for s in PIPELINE},

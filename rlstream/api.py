@@ -12,12 +12,18 @@ resumes the other. Its methods are the commands a job is used with, reusing thei
 * ``status()``: the snapshot ``rlstream status --json`` prints (``rlstream.status``).
 * ``export(version, dest)``: ``rlstream export`` (``rlstream.export``), an HF model directory.
 * ``eval(version)``: ``rlstream eval --version N`` / ``--latest`` (``consumers.eval.worker``), once.
+* ``samples(...)``: ``rlstream samples``: what the model wrote, read from the scored topic.
+* ``fork(name, from_version)``: a ``Job`` for ``rlstream run --fork NAME --from-version N``.
+* ``restart(steps)``: ``rlstream run --restart``; ``remove()``: ``rlstream jobs rm``.
 
 Every method reaches Kafka the way ``rlstream run`` does (``rlstream.job.connected``): the
-configured cluster, else the local broker, started for the call and stopped after it unless it
-was already running or ``keep_broker``. Mistakes raise the typed errors of ``pipeline.errors``
-(``ConfigError``, ``BrokerUnreachable``, ``UnknownVersion``, ``JobFailed``); nothing here calls
-``sys.exit`` or installs signal handlers.
+configured cluster, else the local broker, started by the first call that needs it and kept for
+the object's life: stopped by ``close()`` (or the end of a ``with Job(...) as job:`` block, or
+the interpreter's exit) unless it was already running or ``keep_broker``. A launch says the same
+lines as the CLI (``resuming ... changed: ...``) and refuses the same way: mistakes raise the
+typed errors of ``pipeline.errors`` (``ConfigError``, ``JobChanged``, ``NothingToTrain``,
+``BrokerUnreachable``, ``UnknownVersion``, ``JobFailed``); nothing here calls ``sys.exit`` or
+installs signal handlers.
 
 What this is not: a second launcher or a config format of its own. It holds no state but the
 job's settings: the job's state is in Kafka and its run dir, as for the CLI.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,14 +73,39 @@ class Job:
         self.keep_broker = keep_broker
         self._preset = copy.deepcopy(dict(config or {}))
         self._name = name
+        self._fork: tuple[str, int | None] | None = None
+        """(parent's name, version) of a Job made by ``fork``: its ``run`` forks, then resumes."""
+        self._bootstrap: str | None = None
+        self._broker_stop = None
         self._config = self._resolve()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the local broker this object started (not one that was running, nor with
+        ``keep_broker``). The object can still be used: the next call starts one again."""
+        stop, self._broker_stop, self._bootstrap = self._broker_stop, None, None
+        if stop is not None:
+            stop()
 
     def _resolve(self, flags: dict | None = None):
         """The job's config as ``rlstream run`` resolves it (before the broker is known)."""
         from rlstream.config import record_job_dir
         from rlstream.job import resolve
 
-        cfg = resolve(self.path, self.sets, self._preset, self._name, flags)
+        if self._fork is None:
+            cfg = resolve(self.path, self.sets, self._preset, self._name, flags)
+        else:  # a fork's settings, its base model not exported yet (its first run does that)
+            from rlstream.job import plan
+
+            base = (
+                None if self._fork[1] == 0 else (lambda run_dir: {"type": "pretrained", "path": str(run_dir / "base")})
+            )
+            cfg = plan(self.path, self.sets, self._preset, self._name, flags, model=base)[0]
         record_job_dir(cfg, self.path)
         return cfg
 
@@ -108,6 +140,39 @@ class Job:
         the report (also ``<run dir>/report.json``). ``live``: the live view (default: on a
         terminal). JobFailed (with ``.report``) when a role failed; Ctrl-C stops every role, writes
         the report and raises KeyboardInterrupt."""
+        return self._launch(steps, live, keep_broker)
+
+    def restart(self, steps: int | None = None, *, live: bool | None = None) -> dict:
+        """Start the job over, as ``rlstream run --restart``: its topics, consumer groups and run dir
+        are deleted (said first; JobAlreadyRunning while it runs), then it runs from scratch."""
+        return self._launch(steps, live, None, restart=True)
+
+    def remove(self) -> None:
+        """Delete the job's topics, consumer groups, run dir and checkpoint store, as ``rlstream jobs
+        rm`` (JobAlreadyRunning while it runs)."""
+        from rlstream.jobs import remove
+
+        with self._kafka() as cfg:
+            remove(cfg, _say)
+
+    def fork(self, name: str, from_version: int | None = None, *, sets: Iterable[str] = ()) -> Job:
+        """A new job ``name`` with this job's settings (and ``sets`` over them) whose base model is
+        version ``from_version`` (default: the newest; 0: this job's base model) of this job, as
+        ``rlstream run --fork NAME --from-version N``. Nothing runs until its ``run()``; running it
+        again resumes the fork."""
+        from pipeline.errors import ConfigError
+
+        if not name or name == self.name:
+            raise ConfigError(f"fork({name!r}): the fork needs a name of its own (this job is {self.name})")
+        child = Job.__new__(Job)
+        child.path, child.sets, child.keep_broker = self.path, [*self.sets, *sets], self.keep_broker
+        child._preset, child._name = copy.deepcopy(self._preset), name
+        child._fork = (self.name, from_version)
+        child._bootstrap, child._broker_stop = None, None
+        child._config = child._resolve()
+        return child
+
+    def _launch(self, steps, live, keep_broker, restart: bool = False) -> dict:
         from pipeline.errors import ConfigError, JobFailed
         from rlstream.job import launch
 
@@ -116,8 +181,11 @@ class Job:
         flags = {"trainer.max_steps": steps} if steps else {}
         self._config = self._resolve(flags)
         keep = self.keep_broker if keep_broker is None else keep_broker
-        report = launch(self.path, self.sets, preset=self._preset, name=self._name, flags=flags, keep_broker=keep,
-                        live=live)  # fmt: skip
+        self._ensure_broker(keep)
+        fork = {} if self._fork is None else {"fork": self.name, "from_version": self._fork[1]}
+        name = self._name if self._fork is None else self._fork[0]
+        report = launch(self.path, self.sets, preset=self._preset, name=name, flags=flags, keep_broker=keep,
+                        live=live, restart=restart, **fork)  # fmt: skip
         if report["status"] == "interrupted":
             raise KeyboardInterrupt(
                 f"job {self.name}: interrupted; every role stopped; report {self.run_dir / 'report.json'}"
@@ -170,17 +238,51 @@ class Job:
             results = _run_off_main_thread(Evaluator(cfg, version, latest=version is None))
         return results[-1]
 
+    def samples(self, n: int = 10, *, version: int | None = None, order: str = "newest") -> list[dict]:
+        """What the model wrote, as ``rlstream samples`` prints it: the newest ``n`` scored samples
+        (``order`` "worst" / "best": by reward; ``version``: generated by that version), each with
+        its prompt, completion, reward, advantage, versions and staleness. Read-only: no consumer
+        group, no commit; the job is not touched."""
+        from rlstream.samples import read_samples
+
+        with self._kafka() as cfg:
+            return read_samples(cfg, n=n, version=version, order=order)
+
     # -- helpers -----------------------------------------------------------------------------
     def _copy(self):
         """A copy to connect: the bootstrap address found for one call is not the job's setting."""
         return self._config.model_copy(deep=True)
 
     def _kafka(self):
-        from rich.console import Console
-
         from rlstream.job import connected
 
-        return connected(self._copy(), self.keep_broker, Console(stderr=True).print)
+        cfg = self._copy()
+        cfg.kafka.bootstrap_servers = self._ensure_broker(self.keep_broker)
+        return connected(cfg, self.keep_broker, _say)
+
+    def _ensure_broker(self, keep: bool) -> str:
+        """The job's Kafka: the configured cluster, else the local broker, started once and kept
+        until ``close()`` (unless it was running before, or ``keep``)."""
+        if self._config.kafka.bootstrap_servers:
+            return self._config.kafka.bootstrap_servers
+        if self._bootstrap is not None:
+            return self._bootstrap
+        from rlstream.broker_cluster import local_broker
+
+        broker = local_broker(self._config.broker)
+        state = broker.state()
+        if state is None:
+            state = broker.start(progress=_say, owned=not keep)
+            if not keep:
+                self._broker_stop = weakref.finalize(self, broker.stop, progress=_say)
+        self._bootstrap = state["bootstrap"]
+        return self._bootstrap
+
+
+def _say(line: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(line, highlight=False, soft_wrap=True)
 
 
 def _run_off_main_thread(worker):

@@ -56,10 +56,11 @@ def resolve(config_path, sets: list[str], preset: dict | None = None, name: str 
 
 
 def plan(config_path, sets: list[str], preset: dict | None = None, name: str | None = None,
-         flags: Mapping[str, Any] | None = None, bootstrap: str | None = None):  # fmt: skip
+         flags: Mapping[str, Any] | None = None, bootstrap: str | None = None, model=None):  # fmt: skip
     """``resolve`` without writing anything: the config and the generated dataset's files (path ->
     text), which ``write_data`` writes once the checks before start (``rlstream.preflight``) passed,
-    so a job refused by them leaves no run dir behind."""
+    so a job refused by them leaves no run dir behind. ``model``: a function of the run dir giving
+    the ``[model]`` table that replaces the layers' (a fork's base model)."""
     from rlstream.config import Config
 
     path = config_path or os.environ.get("RLSTREAM_CONFIG")
@@ -71,6 +72,8 @@ def plan(config_path, sets: list[str], preset: dict | None = None, name: str | N
         raise ConfigError('a job needs a name: [job] name = "..." (or a job file, whose name is used)')
     base = Path(tree.get("run_dir", "runs"))
     tree["run_dir"] = str((base / job["name"]).resolve())
+    if model is not None:
+        tree["model"] = model(Path(tree["run_dir"]))
     # the job's topics, consumer groups and transactional ids (pipeline.topology), where unset: two
     # jobs on one cluster (or a demo run after another) never share a group, so neither waits out
     # the other's static members
@@ -162,49 +165,159 @@ def connected(cfg, keep_broker: bool, say):
 
 
 @contextlib.contextmanager
-def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say):
+def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say, *, restart: bool = False,
+                  before_check=None, created=None):  # fmt: skip
     """A job run's start, in an order where a mistake creates nothing: ``check``, then the cluster
     (``kafka_for``: the local broker unless one is configured) and that a broker
     answers there (BrokerUnreachable, one line; a configured one is tried first, as the quickest
-    check), then the generated data written. Yields the bootstrap address, also set in ``cfg``."""
+    check); with ``restart`` the job's topics, groups and files deleted (``rlstream.jobs.remove``);
+    then the job's record compared (``rlstream.identity.check``: JobChanged, NothingToTrain, or the
+    line ``resuming ...`` said), then the generated data written. Yields the job's stored record
+    (None for a fresh job); ``cfg.kafka.bootstrap_servers`` is the address.
+    ``before_check(cfg)``: called connected, before ``check`` (a fork exports its base model there);
+    ``created``: a directory to delete again when the start fails after it."""
+    from rlstream import identity
     from rlstream.config import require_broker
     from rlstream.preflight import check
 
     if cfg.kafka.bootstrap_servers:
         require_broker(cfg)
-    check(cfg, data)
+    if before_check is None:
+        check(cfg, data)
     with connected(cfg, keep_broker, say):
+        if restart:
+            from rlstream.jobs import remove
+
+            remove(cfg, say)
+        try:
+            if before_check is not None:
+                before_check(cfg)
+                check(cfg, data)
+            stored = identity.read(cfg)
+            line = identity.check(cfg, stored)
+        except BaseException:
+            if created is not None:  # a fork refused after its base was exported: nothing left behind
+                import shutil
+
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+        if line:
+            say(line)
         write_data(data)
-        yield cfg.kafka.bootstrap_servers
+        yield stored
+
+
+def lines(console):
+    """A ``say`` that prints each message as one line (a refusal or a change list is not wrapped)."""
+    from rich.markup import escape
+
+    return lambda text: console.print(escape(text), highlight=False, soft_wrap=True)
 
 
 def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str | None = None,
            flags: Mapping[str, Any] | None = None, keep_broker: bool = False, live: bool | None = None,
-           console=None) -> dict:  # fmt: skip
+           console=None, restart: bool = False, fork: str | None = None,
+           from_version: int | None = None) -> dict:  # fmt: skip
     """``rlstream run`` (and ``rlstream.Job.run``): the job's config (``plan``: nothing written yet),
-    the job file's directory for reward modules, the checks before start and the job's Kafka
-    (``rlstream.preflight.checked_start``: a mistake is one line and creates nothing), then
-    ``run_job``; returns the report."""
+    the job file's directory for reward modules, the checks before start, the job's Kafka and its
+    record compared (``checked_start``: a mistake is one line and creates nothing), then
+    ``run_job``; returns the report. ``restart``: the job's topics, groups and files deleted first.
+    ``fork``: run the new job ``fork`` instead, whose base model is version ``from_version``
+    (default: the newest) of this one (``launch_fork``)."""
     from rich.console import Console
 
     from rlstream.config import record_job_dir
     from rlstream.launcher import early_fork_server
 
     console = console or Console(stderr=True)
+    if fork is not None:
+        if restart:
+            raise ConfigError("--restart and --fork do not go together: fork first, then restart the fork if need be")
+        return launch_fork(job_file, sets, fork, from_version, preset=preset, name=name, flags=flags,
+                           keep_broker=keep_broker, live=live, console=console)  # fmt: skip
+    if from_version is not None:
+        raise ConfigError("--from-version goes with --fork NEW (the version of this job the new one starts from)")
     cfg, data = plan(job_file, sets, preset, name, flags)
     record_job_dir(cfg, job_file)
-    with early_fork_server(cfg) as forks, checked_start(cfg, data, keep_broker, console.print):
-        return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console, forks=forks)
+    with early_fork_server(cfg) as forks, checked_start(cfg, data, keep_broker, lines(console), restart=restart) as rec:
+        return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console, forks=forks,
+                       forked_from=(rec or {}).get("forked_from"))  # fmt: skip
+
+
+def launch_fork(job_file, sets: list[str], new: str, from_version: int | None, *, preset=None, name=None,
+                flags=None, keep_broker=False, live=None, console=None) -> dict:  # fmt: skip
+    """``rlstream run JOB --fork NEW [--from-version N]``: the job NEW, with JOB's settings (its file
+    and ``sets``) but its own topics and run dir, whose base model is version N of JOB exported into
+    ``<NEW's run dir>/base`` (version 0: JOB's own base model). Run again, it resumes NEW."""
+    from rlstream.config import record_job_dir
+    from rlstream.launcher import early_fork_server
+
+    parent, _ = plan(job_file, sets, preset, name, flags)
+    if new == parent.job.name:
+        raise ConfigError(f"--fork {new}: the fork needs a name of its own (this job is {new})")
+    from_parent = from_version == 0
+    parent_model = parent.model.model_dump(mode="json")
+
+    def model(run_dir: Path) -> dict:
+        return parent_model if from_parent else {"type": "pretrained", "path": str(run_dir / "base")}
+
+    cfg, data = plan(job_file, sets, preset, new, flags, model=model)
+    record_job_dir(cfg, job_file)
+    base = Path(cfg.run_dir) / "base"
+    origin: dict = {}
+
+    def export_base(connected_cfg) -> None:
+        from rlstream import identity
+        from rlstream.jobs import fork_model
+
+        stored = identity.read(connected_cfg)
+        if stored is not None:  # the fork exists: it resumes, from the version it was forked from
+            was = stored.get("forked_from") or {}
+            if from_version is not None and was.get("version") != from_version:
+                raise ConfigError(
+                    f"job {new} exists, forked from {was.get('job')} version {was.get('version')}: a fork from "
+                    f"version {from_version} is another job: give it another name"
+                )
+            origin.update(was)
+            return
+        parent.kafka.bootstrap_servers = connected_cfg.kafka.bootstrap_servers
+        prec = identity.read(parent)
+        if prec is None:
+            raise ConfigError(f"job {parent.job.name} has not run on {parent.kafka.bootstrap_servers}: nothing to fork")
+        if str(prec["run_dir"]) != str(parent.run_dir):
+            raise ConfigError(f"job {parent.job.name} lives in {prec['run_dir']}: fork it with -s run_dir="
+                              f"{Path(prec['run_dir']).parent}")  # fmt: skip
+        if from_parent:
+            origin.update(job=parent.job.name, version=0, sha256="", run_dir=str(parent.run_dir))
+        else:
+            base.parent.mkdir(parents=True, exist_ok=True)
+            origin.update(fork_model(parent, from_version, base, lines(console)))
+
+    fresh = not Path(cfg.run_dir).exists()
+    with early_fork_server(cfg) as forks, checked_start(cfg, data, keep_broker, lines(console), before_check=export_base,
+                                                         created=Path(cfg.run_dir) if fresh else None):  # fmt: skip
+        title = f"rlstream run {new} (forked from {origin['job']} v{origin['version']})"
+        return run_job(cfg, title=title, live=live, console=console, forks=forks, forked_from=dict(origin))
 
 
 def run_job(
-    cfg, *, title: str, live: bool | None = None, console=None, extra_report: dict | None = None, forks=None
+    cfg,
+    *,
+    title: str,
+    live: bool | None = None,
+    console=None,
+    extra_report: dict | None = None,
+    forks=None,
+    forked_from: dict | None = None,
 ) -> dict:
     """Start the job's roles under the launcher until the trainer reaches ``trainer.max_steps``;
     returns the report (also in ``<run dir>/report.json``). ``forks``: a fork server started
-    earlier (``rlstream.launcher.start_fork_server``), else the launcher starts one."""
+    earlier (``rlstream.launcher.start_fork_server``), else the launcher starts one. Once the job's
+    lease is held, its settings are stored (``rlstream.identity.write``; ``forked_from``: the
+    parent of a fork, also in the report)."""
     from rich.console import Console
 
+    from rlstream import identity
     from rlstream.launcher import Launcher, RoleSpec, metrics_port, standard_roles
 
     console = console or Console(stderr=True)
@@ -224,7 +337,8 @@ def run_job(
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     live = console.is_terminal if live is None else live
-    launcher = Launcher(cfg, run_dir, roles, title=title, live=live, console=console, forks=forks)
+    launcher = Launcher(cfg, run_dir, roles, title=title, live=live, console=console, forks=forks,
+                        on_hold=lambda: identity.write(cfg, forked_from))  # fmt: skip
     launcher.run()
     return launcher.finish_report(
         {
@@ -237,7 +351,9 @@ def run_job(
             "rollout_workers": j.rollout_workers,
             "reward_workers": j.reward_workers,
             "metrics_ports": {r.name: r.metrics_port for r in roles if r.metrics_port},
-            "title": f"{j.name}, k = {cfg.rl.max_staleness}",
+            "title": f"{j.name}, k = {cfg.rl.max_staleness}"
+            + (f" (forked from {forked_from['job']} v{forked_from['version']})" if forked_from else ""),
+            **({"forked_from": forked_from} if forked_from else {}),
             **(extra_report or {}),
         }
     )

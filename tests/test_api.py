@@ -72,7 +72,7 @@ def test_run_raises_what_the_cli_exits_with(tmp_path, monkeypatch):
     from pipeline.errors import JobFailed
     from rlstream import Job
 
-    job = Job(config={"run_dir": str(tmp_path)}, name="j")
+    job = Job(config={"run_dir": str(tmp_path), "kafka": {"bootstrap_servers": "127.0.0.1:1"}}, name="j")
     failed = {"status": "failed: trainer exited with code 1 (crash loop)", "steps_completed": 1, "steps_requested": 3}
     monkeypatch.setattr(rlstream.job, "launch", lambda cfg, *a, **kw: dict(failed))
     with pytest.raises(
@@ -148,6 +148,8 @@ def test_a_job_in_code_runs_reports_exports_resumes_and_evaluates(kafka_bootstra
     steps = read_steps_log(job.run_dir / "trainer")
     assert [s["step"] for s in steps] == [1, 2, 3]
 
+    rows = job.samples(4)  # what the model wrote, read off the scored topic
+    assert len(rows) == 4 and all({"prompt", "completion", "reward", "advantage", "staleness"} <= set(r) for r in rows)
     snap = job.status(interval=0.5)
     assert snap["trainer_version"] == 3 and snap["weight_updates"] == 3
     assert snap["stages"]["trainer"]["group"] == f"{name}-trainer" and snap["stages"]["trainer"]["lag"] >= 0
@@ -173,3 +175,28 @@ def test_a_job_in_code_runs_reports_exports_resumes_and_evaluates(kafka_bootstra
     result = again.eval()  # the newest version, on the 2 held-out prompts
     assert result["version"] == 5 and result["eval_answers"] == 4 and 0.0 <= result["eval_pass_at_1"] <= 1.0
     assert len((job.run_dir / "eval" / "v5.jsonl").read_text().splitlines()) == 4
+
+    child = again.fork(f"{name}-f", from_version=3)  # rlstream run --fork, from code
+    assert child.name == f"{name}-f" and child.config.topics.prefix == f"{name}-f." and child.report is None
+    forked = child.run(steps=1, live=False)
+    assert forked["status"] == "ok" and forked["forked_from"]["job"] == name and forked["forked_from"]["version"] == 3
+    child.remove()
+    assert not child.run_dir.exists()
+
+
+def test_a_job_keeps_the_local_broker_it_started_until_it_is_closed(tmp_path):
+    """No broker configured: the first call that needs Kafka starts the local broker, the next calls
+    use the same one, and ``close()`` (the end of the ``with`` block) stops it."""
+    from rlstream import Job
+    from rlstream.broker_cluster import local_broker
+    from rlstream.config import BrokerConfig
+
+    broker_cfg = {"data_dir": str(tmp_path / "broker"), "port": 0, "heap_mb": 384}
+    broker = local_broker(BrokerConfig(**broker_cfg))
+    with Job(config={"run_dir": str(tmp_path / "runs"), "broker": broker_cfg}, name="kept") as job:
+        job.remove()  # nothing of the job there yet: it says so
+        first = broker.state()
+        assert first is not None and first["pid"]
+        job.remove()
+        assert broker.state()["pid"] == first["pid"]  # the same broker, not a new one per call
+    assert broker.state() is None

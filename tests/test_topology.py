@@ -20,6 +20,7 @@ DEFAULT_NAMES = {
     "topic.metrics": "rl.metrics",
     "topic.dlq": "rl.dlq",
     "topic.lease": "rl.lease",
+    "topic.job": "rl.job",
     "group.rollout": "rlstream-rollout",
     "group.reward": "rlstream-reward",
     "group.trainer": "rlstream-trainer",
@@ -52,7 +53,10 @@ def test_job_names_are_pinned(tmp_path):
     job.write_text("[job]\nrollout_workers = 1\n")
     topo = Topology(resolve(job, [f"run_dir={tmp_path}"], bootstrap="127.0.0.1:1"))
     assert topo.names() == {
-        **{f"topic.{r}": f"j1.{r}" for r in ("prompts", "rollouts", "scored", "control", "metrics", "dlq", "lease")},
+        **{
+            f"topic.{r}": f"j1.{r}"
+            for r in ("prompts", "rollouts", "scored", "control", "metrics", "dlq", "lease", "job")
+        },
         "group.rollout": "j1-rollout",
         "group.reward": "j1-reward",
         "group.trainer": "j1-trainer",
