@@ -29,7 +29,8 @@ LoRA adapters (``kind = "adapter"``): ``write_adapter`` writes ``<store>/v<versi
 layout, ``adapter_config.json`` first and ``adapter_model.safetensors`` last (the file the notice
 names); the adapter config is also stored in the safetensors header, so the announced sha256
 covers it. ``read_adapter`` verifies and returns both. ``model_fingerprint`` names a base model's
-weights (the notice's ``base_sha256``). ``gc_versions`` keeps the newest few version directories.
+weights (the notice's ``base_sha256``). ``gc_versions`` keeps the newest few version directories
+and those ``<store>/pins/`` names (``pipeline.best``: the best by held-out eval, the one being evaluated).
 
 Not here: trainer checkpoints (optimizer state, consumed offsets: the trainer's own business; they
 may reuse ``atomic_write_bytes``), nor the decision of when an engine swaps weights in.
@@ -469,14 +470,36 @@ def model_fingerprint(model_dir) -> str:
     return _FINGERPRINTS[key]
 
 
+PINS_DIR = "pins"
+"""``<store>/pins/``: JSON files, each naming a ``version`` that ``gc_versions`` keeps (``pipeline.best``)."""
+
+
+def pinned_versions(store: str) -> set[int]:
+    """The versions the files in ``<store>/pins/`` name (an unreadable file names none)."""
+    fs, path = _fs(join(store, PINS_DIR))
+    found: set[int] = set()
+    for p in fs.ls(path, detail=False) if fs.exists(path) else []:
+        if p.endswith(".json"):
+            try:
+                with fs.open(p, "rb") as f:
+                    v = json.loads(f.read()).get("version")
+            except (FileNotFoundError, ValueError, AttributeError):
+                continue
+            if isinstance(v, int):
+                found.add(v)
+    return found
+
+
 def gc_versions(store: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` version directories (every file in them: shards,
-    index, HF files). Returns the deleted ones."""
+    index, HF files), except the versions pinned in ``<store>/pins/`` (``pipeline.best``: the best
+    one by held-out eval, the one being evaluated). Returns the deleted ones."""
     fs, path = _fs(store)
     if not fs.exists(path):
         return []
     dirs = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("v"))
-    doomed = dirs[:-keep] if keep > 0 else dirs
+    kept = {version_dir("", v).rsplit("/", 1)[-1] for v in pinned_versions(store)}
+    doomed = [d for d in (dirs[:-keep] if keep > 0 else dirs) if d.rstrip("/").rsplit("/", 1)[-1] not in kept]
     for d in doomed:
         fs.rm(d, recursive=True)
     return doomed

@@ -1,7 +1,9 @@
 """The catalogue of published policy versions: every WeightUpdate on a run's control topic, which of
-them still have their weights in the store, and ``find_update`` (one version, or the newest), which
-``rlstream export`` and ``rlstream eval --version`` / ``--latest`` use. A version that is not there
-is refused with ``UnknownVersion``, one line listing those there are. Read-only.
+them still have their weights in the store (the newest few, and those the trainer never deletes:
+``<store>/pins/``, the best by held-out eval, ``pipeline.best``), and ``find_update`` (one version,
+or the newest), which ``rlstream export`` and ``rlstream eval --version`` / ``--latest`` use. A
+version that is not there is refused with ``UnknownVersion``, one line listing those there are.
+Read-only.
 """
 
 from __future__ import annotations
@@ -43,17 +45,22 @@ def published(cfg) -> dict[int, dict]:
     return {rec["version"]: rec for rec in verified(cfg.store, notices)}
 
 
-def in_store(updates: dict[int, dict]) -> list[int]:
+def in_store(updates: dict[int, dict], store: str | None = None) -> list[int]:
     """The versions whose weights are still in the store, newest first. The trainer deletes the
-    oldest (``trainer.keep_weight_versions``), so the walk stops at the first one missing."""
-    from pipeline.checkpoint import exists
+    oldest (``trainer.keep_weight_versions``), so the walk stops at the first one missing; the
+    versions it never deletes (``<store>/pins/``: the best by held-out eval) are added when
+    ``store`` is given and their weights are there."""
+    from pipeline.checkpoint import exists, pinned_versions
 
     there = []
     for v in sorted(updates, reverse=True):
         if not exists(updates[v]["uri"]):
             break
         there.append(v)
-    return there
+    if store is not None:
+        pinned = [v for v in pinned_versions(store) if v in updates and v not in there]
+        there += [v for v in pinned if exists(updates[v]["uri"])]
+    return sorted(there, reverse=True)
 
 
 def spans(versions: list[int]) -> str:
@@ -78,7 +85,7 @@ def find_update(cfg, version: int | None, base: bool = False) -> dict | None:
         return None
     if version in updates and exists(updates[version]["uri"]):
         return updates[version]
-    there = in_store(updates)
+    there = in_store(updates, cfg.store)
     if version is None and there:
         return updates[there[0]]
     zero = "0 (the base model), " if base else ""

@@ -24,10 +24,12 @@ broker_app = typer.Typer(no_args_is_help=True, help="The local Kafka broker (no 
 topics_app = typer.Typer(no_args_is_help=True, help="Create, describe and delete rlstream's topics.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved configuration.")
 model_app = typer.Typer(no_args_is_help=True, help="Real pretrained models from local files (nothing is downloaded).")
+jobs_app = typer.Typer(help="The jobs on the broker, and removing one (rlstream jobs rm NAME).")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
+app.add_typer(jobs_app, name="jobs")
 log = logging.getLogger(__name__)
 USER_ERRORS = (RlstreamError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
                PermissionError)  # fmt: skip
@@ -313,8 +315,9 @@ def track(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     and to W&B when tracking.wandb_project is set; runs until SIGTERM."""
     cfg = load(config, set_)
     from consumers.tracking.worker import TrackWorker
+    from rlstream.samples import TableSource
 
-    TrackWorker(cfg).run()
+    TrackWorker(cfg, samples=TableSource(cfg)).run()
 
 
 @app.command()
@@ -408,17 +411,122 @@ def run_(
     steps: int | None = typer.Option(None, "--steps", min=1, help="Train up to this step (trainer.max_steps)."),
     no_live: bool = typer.Option(False, "--no-live", help="Plain progress lines instead of the live view."),
     keep_broker: bool = typer.Option(False, "--keep-broker", help="Leave a local broker this run started running."),
+    restart: bool = typer.Option(
+        False,
+        "--restart",
+        help="Start the job over: delete its topics, consumer groups and run dir first (said first).",
+    ),
+    fork: str | None = typer.Option(
+        None,
+        "--fork",
+        metavar="NEW",
+        help="Run a new job NEW with these settings, starting from a version of this one.",
+    ),
+    from_version: int | None = typer.Option(
+        None, "--from-version", min=0, help="With --fork: the version to start from (default: the newest; 0: the base)."
+    ),
     set_: SetOpt = None,
 ) -> None:
     """Run a whole job on this machine: topics, every role as a supervised process, the live view, and
-    its run directory (config, logs, report, plots, TensorBoard). Run it again to resume it."""
+    its run directory (config, logs, report, plots, TensorBoard). Run it again to resume it: settings
+    that change what it learns are refused (naming each), safe ones are applied and said."""
     from rlstream.job import launch
 
     sigterm_unwinds()  # a supervisor's stop removes the discovery file and a broker this run started
     path, sets = sources(job, set_)
     flags = {"trainer.max_steps": steps} if steps else {}
-    report = launch(path, sets, flags=flags, keep_broker=keep_broker, live=False if no_live else None, console=console)
+    report = launch(path, sets, flags=flags, keep_broker=keep_broker, live=False if no_live else None, console=console,
+                    restart=restart, fork=fork, from_version=from_version)  # fmt: skip
     raise typer.Exit(0 if report["status"] == "ok" else 1)
+
+
+@jobs_app.callback(invoke_without_command=True)
+def jobs_list(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object a job."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """The jobs on the broker: running or not (host, pid), newest version and step, run dir, last eval."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.markup import escape
+
+    from rlstream.jobs import list_jobs
+
+    rows = list_jobs(_jobs_cfg(config, set_))
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    if not rows:
+        console.print("no jobs on this broker")
+        return
+    for r in rows:
+        state = f"running (pid {r['pid']} on {r['host']})" if r["running"] else "stopped"
+        ev = r["last_eval"]
+        evs = f"pass@1 {ev['pass_at_1']:.3f} at v{ev['version']}" if ev else "-"
+        fork = f", forked from {r['forked_from']['job']} v{r['forked_from']['version']}" if r.get("forked_from") else ""
+        console.print(
+            escape(
+                f"{r['job']}: {state}; version {r['version'] if r['version'] is not None else 0}, step "
+                f"{r['step'] or 0}; eval {evs}; run dir {r['run_dir'] or '-'}{fork}"
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+@jobs_app.command("rm")
+def jobs_rm(
+    name: Annotated[str, typer.Argument(help="The job's name (rlstream jobs lists them).")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Delete a job: its topics, consumer groups, run dir and checkpoint store (refused while it runs)."""
+    from rlstream.jobs import job_config, remove
+
+    remove(job_config(_jobs_cfg(config, set_), name)[0], console.print)
+
+
+def _jobs_cfg(config, set_):
+    """The root config, connected: the configured broker, else the running local one (not started)."""
+    return load(config, set_)
+
+
+@app.command("samples")
+def samples_cmd(
+    job: Annotated[Path | None, typer.Argument(help="Job file (default: the config of -c/--set).")] = None,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Then print each new one as it is scored, until Ctrl-C."),
+    version: int | None = typer.Option(None, "--version", min=0, help="Only samples generated by this policy version."),
+    worst: bool = typer.Option(False, "--worst", help="The lowest rewards (reads the whole topic)."),
+    best: bool = typer.Option(False, "--best", help="The highest rewards (reads the whole topic)."),
+    n: int = typer.Option(10, "--n", "-n", min=0, help="How many samples (the newest, unless --worst/--best)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object a sample."),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """What the model writes: the job's scored samples with their prompt, completion, reward,
+    advantage, policy versions and staleness, read from its scored topic without touching the job."""
+    from rlstream.samples import show
+
+    if worst and best:
+        raise ConfigError("--worst and --best exclude each other")
+    sigterm_unwinds()
+    if job is None:
+        cfg = load(config, set_)
+    else:  # resolved as `rlstream run` resolves it, on its broker or the running local one (none started)
+        from pipeline.log import setup_logging
+        from rlstream.config import require_broker, resolve_bootstrap
+        from rlstream.job import plan
+
+        if not job.is_file():
+            raise ConfigError(f"no job file {job}")
+        cfg = plan(*sources(job, set_))[0]
+        setup_logging(cfg.log_level)
+        resolve_bootstrap(cfg)
+        require_broker(cfg)
+    show(cfg, n, version, "worst" if worst else "best" if best else "newest", follow, as_json)
 
 
 app.command()(chaos)

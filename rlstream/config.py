@@ -125,6 +125,11 @@ class JobConfig(StrictModel):
     fresh ``python -m rlstream`` process per role."""
     eval: bool = False
     """Run ``rlstream eval`` beside the pipeline (needs ``eval.source`` or ``dataset.held_out``)."""
+    export: bool = True
+    """When the run finishes ok, export the final version to ``<run dir>/export/final`` and the best
+    one by held-out eval (``eval.best_metric``, with ``eval = true``) to ``<run dir>/export/best``,
+    as Hugging Face model directories (``rlstream export``; a LoRA version's adapter directory is
+    copied as it is). false = export nothing."""
     dataset: DatasetConfig | None = None
     """Generate the training data with a built-in generator instead of ``feed.source``."""
     metrics_port_base: int = Field(0, ge=0, le=65000)

@@ -163,7 +163,8 @@ def standard_roles(
     over (a restarted trainer becomes the standby). Only the active one serves the metrics port.
     ``rollout_standby``: rollout workers by slot (``rollout.slots``, static members) and a warm
     spare, ``rollout-spare``, that takes the slot of a worker that dies (``producers.slots``; the
-    spare serves no metrics port)."""
+    spare serves no metrics port). A supervised stage (``feed.mode = "sft"``) has no rollout or
+    reward workers: the feed writes the demonstrations to rl.scored."""
 
     def port(role: str, i: int = 0) -> int:
         return metrics_port(metrics_port_base, role, i, rollout_workers, reward_workers)
@@ -175,6 +176,8 @@ def standard_roles(
     ]
     if trainer_standby:
         roles.append(RoleSpec(STANDBY, "train", dict(standby), may_exit=True, metrics_port=port("trainer")))
+    if cfg.feed.mode == "sft":  # a supervised stage: the feed writes demonstrations to rl.scored itself
+        return roles
     roles += [
         # a stable worker id (hence transactional id) and static membership: a restarted reward worker
         # fences its dead predecessor's transaction at once and gets its partitions back without a rebalance
@@ -223,9 +226,12 @@ def hung_roles(
 class Launcher:
     def __init__(
         self, cfg, run_dir: Path, roles: list[RoleSpec], *, title: str, live: bool, console,
-        policy: RestartPolicy | None = None, forks: ForkServer | None = None,
+        policy: RestartPolicy | None = None, forks: ForkServer | None = None, on_hold=None,
     ):  # fmt: skip
         self.cfg, self.run_dir, self.roles = cfg, Path(run_dir), list(roles)
+        self.on_hold = on_hold
+        """Called once the job's lease is held, before anything else (``rlstream run`` stores the
+        job's settings there: ``rlstream.identity``)."""
         self.forks = forks
         self.title, self.live, self.console = title, live, console
         self.policy = policy or RestartPolicy()
@@ -298,6 +304,8 @@ class Launcher:
         lives, before anything is written or started; the run fails if another run takes it over."""
         with JobLease(self.cfg, self.run_dir, role_pids=self._role_pids, say=self.console.print) as lease:
             self.report["run_id"] = lease.run_id
+            if self.on_hold is not None:
+                self.on_hold()
             return self._run(lease.guard(tick))
 
     def _role_pids(self) -> list[int]:
@@ -321,7 +329,9 @@ class Launcher:
         metrics.assign([TopicPartition(self.cfg.topics.name("metrics"), 0, 0), *self._dlq_partitions(metrics)])
         lags_done = threading.Event()
         lags = threading.Thread(target=self._watch_lags, args=(lags_done,), name="lags", daemon=True)
-        self.tracker = Tracker(self.cfg.tracking, self.run_dir, self.title)
+        from rlstream.samples import TableSource  # the tracker's sample table, read from rl.scored
+
+        self.tracker = Tracker(self.cfg.tracking, self.run_dir, self.title, samples=TableSource(self.cfg))
         targets = self._write_prometheus_targets()
         try:
             self.stall = StallWatch(time.time(), self.cfg.liveness.stall_s)
@@ -516,12 +526,29 @@ class Launcher:
             + (f" stalled: {'; '.join(stalled)}" if stalled else "")
         )
 
+    def _export(self, r: dict) -> dict | None:
+        """A job run that finished ok: its final and best versions as HF directories
+        (``rlstream.export.export_run``); a failed export fails the run (said in one line)."""
+        if r.get("status") != "ok":
+            return None
+        from rlstream.export import export_run
+
+        try:
+            return export_run(self.cfg, self.run_dir, lambda line: self.console.print(escape(line), soft_wrap=True))
+        except (RlstreamError, OSError) as exc:
+            r["status"] = f"failed: export: {type(exc).__name__}: {exc}"
+            self.console.print(escape(f"export failed: {type(exc).__name__}: {exc}"), soft_wrap=True)
+            return None
+
     def finish_report(self, extra: dict) -> dict:
-        """Add the step log figures, write report.json and the plots; print the summary line."""
+        """Add the step log figures (and, for a job run that finished ok, ``job.export``: the final
+        and best versions exported), write report.json and the plots; print the summary line."""
         steps_log = self.progress.steps
         rewarded = [s for s in steps_log if s["reward_mean"] is not None]  # not the all-stale steps
         r = self.report
         r.update(extra)
+        if extra.get("job") and self.cfg.job.export:
+            r["export"] = self._export(r)
         r.update(
             {
                 "wall_time_s": round(time.monotonic() - self.t_start, 1),

@@ -1,5 +1,6 @@
 """Run reports: a JSON file and PNG plots (reward vs step, staleness distribution, throughput
-over time, and the eval curve when ``rlstream eval`` ran) from the trainer's per-step MetricEvents. Used by ``rlstream demo`` and benchmarks.
+over time, and the eval curve when ``rlstream eval`` ran, with the exported best version marked)
+from the trainer's per-step MetricEvents. Used by ``rlstream run``, ``rlstream demo`` and benchmarks.
 
 A step that trained no sample (every one stale; ``reward_mean`` None) has no point on the reward
 plot and no part in its moving mean; it is marked with a red tick at the top instead.
@@ -97,6 +98,9 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot([c[0] for c in curve], [c[1] for c in curve], marker="o", label="mean reward")
         ax.plot([c[0] for c in curve], [c[2] for c in curve], marker="s", label="pass@1")
+        best = ((report.get("export") or {}).get("best") or {}).get("version")
+        if best is not None:  # the version kept beside the rolling window (eval.best_metric)
+            ax.axvline(best, ls=":", color="tab:green", label=f"best: version {best} (exported)")
         ax.set_xlabel("policy version")
         ax.set_ylabel("held-out score")
         ax.set_ylim(-0.02, 1.02)

@@ -5,7 +5,9 @@ then every ``eval.every_versions`` published versions, and always the run's fina
 notice whose ``step`` reaches ``trainer.max_steps``), loads those weights into its own rollout
 engine, generates ``eval.samples`` answers for each prompt of a held-out dataset, scores them with
 the reward workers' functions (``reward.tasks``/``reward.default``, in the same timed pool), and
-publishes one MetricEvent (role ``eval``, its ``version``) with ``eval_reward_mean``,
+writes the answers with their rewards to ``<run_dir>/eval/v<N>.jsonl`` (the tracking role's
+``samples/eval`` table shows them), and publishes one MetricEvent (role ``eval``, its
+``version``) with ``eval_reward_mean``,
 ``eval_pass_at_1`` (the share of answers whose reward reaches ``eval.pass_threshold``), the mean
 answer length in tokens and the share cut at the token budget, and counts.
 The launcher's live view, ``rlstream status``, the run report and its plots show the curve. The
@@ -17,7 +19,9 @@ evaluates that one version once, publishes nothing, writes its answers to
 ``<run_dir>/eval/v<N>.jsonl`` and returns the figures.
 
 It lives in the application layer because it composes two roles' libraries (a rollout engine and
-reward functions); it writes nothing but metrics. It is not a benchmark harness.
+reward functions); it writes nothing but metrics and, in the checkpoint store, the best version
+by ``eval.best_metric`` (``pipeline.best``), whose weights the trainer then never deletes. It is
+not a benchmark harness.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
+from pipeline.best import note_score, pin_evaluating
 from pipeline.config import StrictModel
 from pipeline.control import ControlFollower, now_ms
 from pipeline.errors import ConfigError
@@ -60,6 +66,13 @@ class EvalConfig(StrictModel):
     """Serve Prometheus /metrics on this port; 0 = off."""
     heartbeat_s: float = Field(10.0, gt=0, le=3600)
     """How often the evaluator publishes its gauges while waiting or generating (a sign of life)."""
+    best_metric: Literal["", "pass_at_1", "reward_mean", "response_tokens_mean", "truncated_fraction"] = "pass_at_1"
+    """Keep the best version by this eval metric beside the trainer's rolling window
+    (``trainer.keep_weight_versions``): its weights are never deleted from the store, and a job run
+    exports it to ``<run dir>/export/best`` (``pipeline.best``). '' = off."""
+    best_mode: Literal["max", "min"] = "max"
+    """Whether a higher (``max``) or lower (``min``) ``best_metric`` is better; of equal scores the
+    newer version is kept."""
 
 
 def eval_feed(cfg):
@@ -147,6 +160,8 @@ class Evaluator(Worker):
         skipped (False): the evaluator waits for the next notice (``pipeline.control``)."""
         from libs.engines.adapters import BaseModelMismatch
 
+        if self.ec.best_metric:  # the trainer's gc keeps it while it is scored (pipeline.best)
+            pin_evaluating(self.cfg.store, upd)
         try:
             prepared = self.engine.prepare_weights(upd)
         except BaseModelMismatch:
@@ -215,9 +230,14 @@ class Evaluator(Worker):
         self.results.append(res)
         self.evaluated = self.engine.version
         log.info("evaluated %s", kv(**{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
+        answers = self._write_answers(trajs, outcomes)  # before the figures: the tracker's eval table reads it
         if self.once:
-            res["answers_file"] = str(self._write_answers(trajs, outcomes))
+            res["answers_file"] = str(answers)
             return
+        if self.ec.best_metric:  # before the figures go out: the launcher stops the run on the final one
+            upd = self.control.latest_update
+            upd = upd if upd and upd["version"] == res["version"] else None
+            note_score(self.cfg.store, self.ec.best_metric, self.ec.best_mode, res, upd)
         self.metrics.version = self.engine.version
         for k, v in res.items():
             if k != "version":
@@ -229,7 +249,8 @@ class Evaluator(Worker):
         self.producer.flush_patiently(self.liveness.outage_s, "eval metrics")
 
     def _write_answers(self, trajs: list[dict], outcomes: list) -> Path:
-        """``<run_dir>/eval/v<N>.jsonl``: each prompt, answer, reference and reward of a one-off evaluation."""
+        """``<run_dir>/eval/v<N>.jsonl``: each prompt, answer, reference and reward of the
+        evaluation of version N (the tracking role logs its first rows as a sample table)."""
         import json
 
         path = Path(self.cfg.run_dir) / "eval" / f"v{self.engine.version}.jsonl"
