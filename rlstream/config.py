@@ -56,13 +56,13 @@ class BrokerConfig(StrictModel):
     node in ``data_dir``. Above 1: a local cluster of N combined-mode (broker + controller) nodes
     in ``data_dir/node-<i>``, internal topics and new topics with min(3, N) replicas and
     ``min.insync.replicas`` min(2, N): for fault tests (kill, pause, restart one node), not
-    production (docs/operations.md). ``security = "sasl_ssl"`` needs 1."""
+    production (docs/how-to/multi-machine.md). ``security = "sasl_ssl"`` needs 1."""
     properties: dict[str, str] = Field(default_factory=dict)
     """Extra server.properties entries, overriding the built-in ones."""
     security: Literal["plaintext", "sasl_ssl"] = "plaintext"
     """``plaintext``: no authentication, no TLS, no ACLs. ``sasl_ssl``: one SASL_SSL listener
     (SCRAM-SHA-512 over TLS with a CA generated in ``data_dir/tls``), ACLs enforced (nothing is
-    allowed without one) and ``users.admin`` as the super user (docs/security.md). Fixed when the
+    allowed without one) and ``users.admin`` as the super user (docs/how-to/security.md). Fixed when the
     data dir is first formatted."""
     users: dict[str, str] = Field(default_factory=dict, max_length=1000)
     """SCRAM-SHA-512 users of the ``sasl_ssl`` broker, name -> password (``admin`` is required:

@@ -7,11 +7,11 @@ dataset generator (``rlstream.tasks``). From the name come the job's fixed place
 plots, TensorBoard, the trainer's checkpoints, generated data), unless the file sets them. So a
 second ``rlstream run`` of the same file finds the same topics, the feed's state on rl.control and
 the trainer's checkpoint, and goes on from there: no sample lost or trained twice (the roles'
-guarantees, docs/reliability.md). Ctrl-C or SIGTERM stops every role cleanly; ``--steps`` raises the target.
+guarantees, docs/results/reliability.md). Ctrl-C or SIGTERM stops every role cleanly; ``--steps`` raises the target.
 
 ``rlstream demo`` is this with a preset job (the next-digit task) and a fresh name per run.
 What this is not: a cluster scheduler; for several machines run the roles yourself, or use the
-Helm chart (docs/deployment.md).
+Helm chart (docs/how-to/deploy.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kafka's own command-line tools with rlstream's settings (``rlstream kafka-tool``), client settings
 in the Java tools' properties format, and the least-privilege ACLs of each rlstream role
-(docs/security.md).
+(docs/how-to/security.md).
 
 The tools run from the same Maven-resolved jars as the local broker (``rlstream.broker``). What
 this is not: a wrapper of the tools' options; arguments pass through unchanged.
@@ -102,7 +102,7 @@ ROLES = ("feed", "rollout", "reward", "trainer")
 def role_acls(cfg, principals: dict[str, str] | None = None) -> dict[str, list]:
     """The least-privilege ACLs of each role (``pipeline.admin.Acl`` lists, by role) for the topics,
     consumer groups and transactional ids of the root config ``cfg``. ``principals`` maps a role
-    to its Kafka principal (default ``User:<role>``). The table in docs/security.md is this.
+    to its Kafka principal (default ``User:<role>``). The table in docs/how-to/security.md is this.
 
     * every idempotent producer needs only Write on the topics it writes (KIP-679, Kafka 3.0+: no
       cluster IdempotentWrite); Read and Write imply Describe (metadata, offsets);

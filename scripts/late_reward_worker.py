@@ -1,7 +1,7 @@
 """Measure a rebalance pause: ``rlstream run`` with the reward worker ``reward-1`` started late,
 once the trainer has reached step ``REWARD1_AFTER_STEP`` (default 10), as happens on a loaded
 machine when its process is slow to start. The run's report then gives each stage's longest pause
-after the first step (``longest_pause_s``; docs/benchmarks.md, "Rebalance pauses").
+after the first step (``longest_pause_s``; docs/results/performance.md, "Rebalance pauses").
 
     REWARD1_AFTER_STEP=10 RLSTREAM_HOME=/tmp/h python scripts/late_reward_worker.py \\
         run examples/next-digit.toml --no-live -s broker.port=0 -s run_dir=/tmp/runs

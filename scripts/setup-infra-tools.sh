@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs and builds what the deployment files (infra/, docs/deployment.md) need, idempotently; a
+# Installs and builds what the deployment files (infra/, docs/how-to/deploy.md) need, idempotently; a
 # second run only checks. Run by scripts/setup.sh; safe to run on its own.
 #   bubblewrap               the code-reward sandbox (apt-get, only as root and only if missing)
 #   helm v3.22.0             built from the Go module proxy into $BIN (~/.cache/rlstream/bin)

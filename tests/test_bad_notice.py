@@ -1,4 +1,4 @@
-"""Issue 24 point 7: one bogus notice on rl.control must not brick a job. An independent writer (its
+"""One bogus notice on rl.control must not brick a job. An independent writer (its
 own producer, ``pipeline.codec``; not the trainer) puts each kind of bad WeightUpdate on a running
 pipeline's control topic: no uri, a version far ahead, a version behind, a checkpoint that is not
 there, a sha256 that does not match. The intruder signs them with the job's notice key (as a

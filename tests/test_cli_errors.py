@@ -1,4 +1,4 @@
-"""Every mistake is said in one line within seconds (issue 23): a broker that does not answer, a
+"""Every mistake is said in one line within seconds: a broker that does not answer, a
 missing file, a bad path. The real CLI as a subprocess; no broker needed."""
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_every_role_command_is_a_real_rlstream_command():
 
 
 def test_roles_restart_on_failure_and_stay_stopped_when_done():
-    """docs/operations.md: a role that exits non-zero is restarted; one that finished (exit 0: the
+    """docs/how-to/multi-machine.md: a role that exits non-zero is restarted; one that finished (exit 0: the
     feed at its limit, the trainer at max_steps) stays stopped. The one-shot topic creation is
     waited for by `up` (service_completed_successfully), so it is not restarted."""
     services = project()["services"]
@@ -135,7 +135,7 @@ def test_kafbat_serde_is_the_default_for_every_rlstream_topic_of_any_job():
     for other in ("__consumer_offsets", "orders", "rl.prompts.bak", "myjob.prompts-retry", "myjob-prompts",
                   "rl.", "prompts2", "_schemas", "rl.prompts2"):  # fmt: skip
         assert not re.fullmatch(pattern, other), other
-    docs = (REPO / "docs/deployment.md").read_text()
+    docs = (REPO / "docs/how-to/deploy.md").read_text()
     (line,) = [x for x in docs.splitlines() if x.startswith("KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN:")]
     assert yaml.safe_load(line)["KAFKA_CLUSTERS_0_SERDE_0_TOPICVALUESPATTERN"] == pattern
 

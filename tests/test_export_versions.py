@@ -1,5 +1,5 @@
 """Which version ``rlstream export`` / ``eval --version`` takes, and the one line that lists the versions
-there are when the one asked for is not (issue 23). The control topic's notices are stubbed; the
+there are when the one asked for is not. The control topic's notices are stubbed; the
 store is a real directory (the trainer deletes the oldest versions: trainer.keep_weight_versions)."""
 
 from __future__ import annotations

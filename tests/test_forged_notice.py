@@ -1,4 +1,4 @@
-"""Issue 24 point 7: a notice carries its writer's identity, and a trainer is never blocked by a
+"""A notice carries its writer's identity, and a trainer is never blocked by a
 notice it did not write. An independent writer (its own producer, ``pipeline.codec``; no notice key)
 copies the trainer's newest notice to the next version: the right ``trainer_id`` and a checkpoint
 that is there and matches its sha256, so every check but the writer's identity passes. Unsigned, or

@@ -120,7 +120,7 @@ def test_helm_lint():
 
 
 def test_helm_template_and_lint_without_a_cluster_or_kube_version():
-    """As a user runs them offline (docs/deployment.md): helm's own default Kubernetes version must
+    """As a user runs them offline (docs/how-to/deploy.md): helm's own default Kubernetes version must
     satisfy the chart's kubeVersion. A helm `go install`ed without helm's release ldflags defaults to
     1.20 and refuses the chart; scripts/setup-infra-tools.sh links it like a release build."""
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())

@@ -113,7 +113,7 @@ def test_a_killed_job_resumes_with_nothing_lost_or_trained_twice(cli_env, tmp_pa
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "ok" and report["steps_completed"] == steps
-    pauses = report["longest_pause_s"]  # each stage's, from its workers' metrics (issue 25)
+    pauses = report["longest_pause_s"]  # each stage's, from its workers' metrics
     assert {"trainer", "reward", "rollout"} <= set(pauses), pauses
 
     # Audited from the topics and the steps log, not from the roles' reports.

@@ -1,6 +1,6 @@
 """The launcher's hang rule (``rlstream.launcher.hung_roles``): a role is hung when its MetricEvents
 stopped while other roles' went on arriving, never while it (re)starts and never while every role
-is silent (the brokers away: a restart under load took 80 s, docs/reliability.md). The chaos runs
+is silent (the brokers away: a restart under load took 80 s, docs/results/reliability.md). The chaos runs
 exercise it with real processes; these pin each branch of the rule."""
 
 from rlstream.launcher import hung_roles

@@ -1,4 +1,4 @@
-"""The layering of docs/architecture.md, checked on every import statement of the package code
+"""The layering of docs/reference/architecture.md, checked on every import statement of the package code
 (module level and inside functions): schemas -> core (pipeline) -> libraries (libs: generation
 engines, datasets, reward functions) -> roles (producers, consumers.reward, consumers.trainer,
 consumers.eval, consumers.tracking) -> application (rlstream) -> dev tools (rlstream.dev). Nothing

@@ -23,7 +23,7 @@ TINY = [
     "model.num_layers=1",
     "model.intermediate_size=64",
 ]
-# Adapters on the output projection learn the tiny random model's task fastest (docs/trainer.md).
+# Adapters on the output projection learn the tiny random model's task fastest (docs/reference/trainer.md).
 LORA = ["trainer.lora.rank=8", "trainer.lora.alpha=16", 'trainer.lora.target_modules=["lm_head"]', "trainer.lr=0.02"]
 
 

@@ -1,4 +1,4 @@
-"""Issue 24 point 7: weight notices carry a verifiable writer identity (``pipeline.notice_auth``).
+"""Weight notices carry a verifiable writer identity (``pipeline.notice_auth``).
 Sign and verify (every field is covered), the key in the store (created once, 0600, reused), the
 writer epoch (bumped at each start; an older epoch is refused after a newer one), and a follower on
 a real broker refusing a replaced trainer's notice and unsigned or forged ones."""

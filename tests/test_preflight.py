@@ -1,4 +1,4 @@
-"""Checks before start (issue 23): every mistake that can be known before a process starts is one
+"""Checks before start: every mistake that can be known before a process starts is one
 line from ``rlstream run`` within seconds, exit code 2, no traceback, and nothing is created: no run
 dir, no generated data, no topics. The real CLI as a subprocess against the test broker, each job
 run from another working directory than its job file's (as a user's job is)."""

@@ -1,4 +1,4 @@
-"""docs/reward.md's complete custom reward (``my_rewards:sum_reward`` kept beside the job file): the
+"""docs/how-to/reward.md's complete custom reward (``my_rewards:sum_reward`` kept beside the job file): the
 run's config.toml records the job file's directory (``reward.import_dirs``), so a role started by
 hand with it (``rlstream reward -c runs/<job>/config.toml``) imports the module from any working
 directory, in the worker and in its spawned scoring processes; without it the module is not found."""
@@ -16,11 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def doc_example() -> tuple[str, str]:
-    """The example's ``my_rewards.py`` and ``sums.toml``, as docs/reward.md shows them."""
-    text = (REPO / "docs" / "reward.md").read_text()
+    """The example's ``my_rewards.py`` and ``sums.toml``, as docs/how-to/reward.md shows them."""
+    text = (REPO / "docs" / "how-to" / "reward.md").read_text()
     code = re.search(r"`my_rewards\.py`:\n\n```python\n(.*?)```", text, re.S)
     job = re.search(r"`sums\.toml`:\n\n```toml\n(.*?)```", text, re.S)
-    assert code and job, "docs/reward.md lost its complete custom reward example"
+    assert code and job, "docs/how-to/reward.md lost its complete custom reward example"
     return code.group(1), job.group(1)
 
 

@@ -1,4 +1,4 @@
-"""What a job run reports at its end (issue 23), without Kafka: a step whose samples were all stale
+"""What a job run reports at its end, without Kafka: a step whose samples were all stale
 has no reward (not 0.0) in the step log, the means, the curve and the plot; the eval role evaluates
 the run's final version, and the launcher waits for that evaluation before it stops the job."""
 
@@ -110,7 +110,7 @@ def rollout_event(worker: str, ts: int, gap_max: float) -> dict:
 
 
 def test_the_report_gives_each_stages_longest_pause_after_the_first_step(tmp_path):
-    """Issue 25: a rebalance that takes a reward worker's partitions away for seconds shows as the
+    """A rebalance that takes a reward worker's partitions away for seconds shows as the
     reward stage's longest commit gap and the trainer's longest gap between steps; what happened
     before the first step (start-up, model loading) does not count."""
     from rich.console import Console

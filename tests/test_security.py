@@ -1,4 +1,4 @@
-"""Kafka security (issue 14, item 6): SASL/SCRAM + TLS through ``kafka.common``, the local broker's
+"""Kafka security: SASL/SCRAM + TLS through ``kafka.common``, the local broker's
 ``sasl_ssl`` mode with ACLs, and the pipeline run with one principal per role under least-privilege
 ACLs (``rlstream.kafka_tools.role_acls``), each role refused where it has no right.
 

@@ -1,4 +1,4 @@
-"""Issue 24 point 3, the self-fencing crash: a reward worker that is a static member
+"""The self-fencing crash: a reward worker that is a static member
 (``reward.group_instance_id``) and finds its registration taken by a consumer with the same
 ``group.instance.id`` (after a broker restart librdkafka can do this to itself; here another
 consumer does it on purpose) used to die with the fatal "Static consumer fenced by other consumer

@@ -1,4 +1,4 @@
-"""Issue 24 point 3: a transaction client that is safe without KIP-890. librdkafka (under
+"""A transaction client that is safe without KIP-890. librdkafka (under
 confluent-kafka) does not implement KIP-890 (#5423): a commit that times out and is retried in
 the same producer epoch can leave requests of that epoch in flight that land after the transaction
 ended (the "hanging transaction" of KAFKA-17754). The exactly-once loop therefore never retries an

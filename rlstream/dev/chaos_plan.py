@@ -1,7 +1,7 @@
 """The plan of ``rlstream chaos``: the sizes, the options that override them, and the seeded fault
 schedule (``plan_faults``). Pure: no broker, no process; ``rlstream.dev.chaos`` runs the plan.
 
-Sizes: ``tiny`` (CI), ``full`` (the documented run) and ``scale`` (issue 24's audit at Kafka's test
+Sizes: ``tiny`` (CI), ``full`` (the documented run) and ``scale`` (the audit at Kafka's test
 scale: over 100,000 samples, at least three kill -9 of every role, all after 20 % of the chaos
 phase, and, on its default three-node cluster, a SIGKILL of every broker; hours on two cores).
 """

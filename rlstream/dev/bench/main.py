@@ -1,6 +1,6 @@
 """The driver behind ``rlstream bench``: one run directory per invocation, a broker (the configured
 one or a local broker started for the run), each requested benchmark in turn, then
-``summary.json`` and, with ``--docs``, the generated tables of docs/benchmarks.md.
+``summary.json`` and, with ``--docs``, the generated tables of docs/results/performance.md.
 
 Benchmarks are modules with ``run(ctx) -> result`` and ``table(result) -> markdown``; results
 carry the paths of their PNG plots. They print figures and assert nothing. A module with

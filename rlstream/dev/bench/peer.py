@@ -1,6 +1,6 @@
 """``rlstream bench peer``: examples/next-digit.toml in Hugging Face TRL's ``GRPOTrainer`` and in
 rlstream at k = 0, 1, 2 (``rl.max_staleness``), interleaved (TRL, k = 0, k = 1, k = 2, TRL, ...)
-``repeats`` times on the same machine (issue 25).
+``repeats`` times on the same machine.
 
 Matched: the same tiny random-init Llama (built in code by ``pipeline.models.materialize``: one
 directory both load; the TRL process reports the digest of the weights it started from beside the
@@ -143,7 +143,7 @@ def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | N
     ctx.say(f"[bench] peer {name}: rlstream run, k = {k}, {sz['steps']} steps {' '.join(sets)}")
     b0 = cpu_seconds(ctx.broker_pid)
     # as ``rlstream run`` runs it: the launcher's thread settings at every k (bench learn gives k = 0
-    # every core per process; on a loaded machine that made k = 0 3x slower here: docs/benchmarks.md)
+    # every core per process; on a loaded machine that made k = 0 3x slower here: docs/results/performance.md)
     job = learn.run_job(
         ctx, name, k, {"recipe": RECIPE, "sets": list(sets), "sync_threads": False, **sz}, subdir="peer"
     )

@@ -1,4 +1,4 @@
-"""``rlstream bench trace``: where a k = 0 step of examples/next-digit.toml goes (issue 25, the
+"""``rlstream bench trace``: where a k = 0 step of examples/next-digit.toml goes (the
 framework tax). At k = 0 nothing overlaps: every step waits for the weights of the step before, so
 the interval between two optimizer steps is the sum of the hops one group makes round the loop.
 One ``rlstream run`` job (as a user starts it, ``rl.max_staleness = 0``), then, per step ``s`` from

@@ -15,7 +15,7 @@ import org.apache.avro.generic.GenericRecord;
 
 /**
  * Renders a decoded record as JSON, fields in schema order. Unions are plain values (no type
- * wrapper). The packed numeric fields of docs/wire-format.md become arrays: {@code prompt_tokens}
+ * wrapper). The packed numeric fields of docs/reference/wire-format.md become arrays: {@code prompt_tokens}
  * and {@code response_tokens} (little-endian int32), {@code logprobs} (little-endian float32,
  * written in Java's shortest float form) and {@code loss_mask} (uint8). Non-finite numbers are the
  * strings {@code "NaN"}, {@code "Infinity"}, {@code "-Infinity"} (JSON has none). Every other {@code bytes}
