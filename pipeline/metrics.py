@@ -46,6 +46,7 @@ class WorkerMetrics:
         self._last_counters: dict[str, float] = {}
         self._last_t = time.monotonic()
         self._lock = threading.Lock()
+        self._last_metrics: dict[str, float] = {}
         self._prom = None
         if prometheus_port:
             self._start_prometheus(prometheus_port)
@@ -101,9 +102,20 @@ class WorkerMetrics:
 
     def publish(self) -> dict:
         ev = self.event(self.snapshot())
+        self._last_metrics = dict(ev["metrics"])
         if self.producer is not None and self.topic:
             self.producer.produce_record(self.topic, "MetricEvent", ev, key=f"{self.role}/{self.worker_id}".encode())
         self._update_prometheus(ev["metrics"])
+        return ev
+
+    def publish_extra(self, metrics: dict[str, float], labels: dict[str, str], producer=None) -> dict:
+        """One MetricEvent of the last published metrics plus ``metrics`` and ``labels`` (a trainer's
+        in-step progress: ``consumers.trainer.heartbeat``), through ``producer`` (default: the
+        worker's own); windows and rates are left as they are."""
+        ev = {**self.event({**self._last_metrics, **metrics}), "labels": {**self.labels, **labels}}
+        producer = producer or self.producer
+        if producer is not None and self.topic:
+            producer.produce_record(self.topic, "MetricEvent", ev, key=f"{self.role}/{self.worker_id}".encode())
         return ev
 
     def maybe_publish(self) -> dict | None:

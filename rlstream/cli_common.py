@@ -34,11 +34,26 @@ def load(config: Path | None = None, set_: list[str] | None = None, resolve: boo
 
     cfg = load_config(*sources(config, set_), settings=settings)
     setup_logging(cfg.log_level)
+    quiet_clients()
     if resolve:
         resolve_bootstrap(cfg)
         if not root.get("supervised"):  # a supervised role retries for liveness.startup_timeout_s
             require_broker(cfg)
     return cfg
+
+
+def quiet_clients() -> None:
+    """Run by hand (a terminal's command, not a supervised role, which logs to its own file), keep
+    librdkafka's lines off the terminal: into ``<RLSTREAM_HOME>/logs/kafka-clients.log`` (a job's
+    launcher moves them into its run dir)."""
+    if root.get("supervised"):
+        return
+    import os
+
+    from pipeline.kafka import client_log_to
+
+    home = Path(os.environ.get("RLSTREAM_HOME") or Path.home() / ".rlstream")
+    client_log_to(home / "logs" / "kafka-clients.log")
 
 
 def sigterm_unwinds() -> None:

@@ -226,9 +226,11 @@ def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str |
     (default: the newest) of this one (``launch_fork``)."""
     from rich.console import Console
 
+    from rlstream.cli_common import quiet_clients
     from rlstream.config import record_job_dir
     from rlstream.launcher import early_fork_server
 
+    quiet_clients()  # the checks' and the job record's clients, before the launcher's own log
     console = console or Console(stderr=True)
     if fork is not None:
         if restart:

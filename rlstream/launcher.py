@@ -20,7 +20,7 @@ stage with work and no progress are shown; no trainer step for ``liveness.stall_
 letters arrive ends the run with ``failed: stalled: ...``.
 
 This is the application layer behind ``rlstream demo`` (and job runs). It is not a cluster
-launcher: for several machines run the roles yourself (docs/operations.md).
+launcher: for several machines run the roles yourself (docs/how-to/multi-machine.md).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pipeline import codec
 from pipeline.admin import Admin, ensure_topics
 from pipeline.config import dump_toml, with_settings
 from pipeline.errors import DecodeError, RlstreamError
-from pipeline.kafka import Consumer, TopicPartition, client_conf
+from pipeline.kafka import Consumer, TopicPartition, client_conf, client_log_to
 from pipeline.log import kv
 from pipeline.notice_auth import ensure_key
 from pipeline.topology import stage_lags
@@ -209,7 +209,8 @@ def hung_roles(
     ``hang_after_s``. While nobody's arrive (the brokers are away: a restart under load took 80 s)
     the silence says nothing about the role, so it is not hung. ``workers``: the newest MetricEvent
     per "role/worker_id" key; ``worker_of``: worker id -> role name; ``started``: role name -> wall
-    time its live process started (roles not in it are not alive)."""
+    time its live process started (roles not in it are not alive). A trainer inside a long step
+    keeps sending in-step progress events (``consumers.trainer.heartbeat``), so it is not hung."""
     newest = max((ev["timestamp_ms"] / 1000 for ev in workers.values()), default=0.0)
     out = []
     for key, ev in workers.items():
@@ -239,6 +240,7 @@ class Launcher:
         self.config_path: Path | None = None
         self.progress = Progress()
         self.stall = StallWatch(time.time(), cfg.liveness.stall_s)
+        client_log_to(self.run_dir / "logs" / "kafka-clients.log")  # librdkafka's lines: not on the terminal
         self.lags: dict[str, int] = {}
         self.report: dict = {}
         self.t_start = time.monotonic()
@@ -512,7 +514,7 @@ class Launcher:
         elapsed = time.monotonic() - self.t_start
         return render(self.progress, self.lags, self.cfg.trainer.max_steps, self.cfg.rl.max_staleness, elapsed,
                       self.title, getattr(self, "_restarts", {}), dead_letters=self.stall.dead.summary(),
-                      stalled=self.stall.stalled(time.time(), self.lags))  # fmt: skip
+                      stalled=self.stall.stalled(time.time(), self.lags), busy=self.stall.busy(time.time()))  # fmt: skip
 
     def _line(self) -> str:
         """The plain progress line (console markup escaped: the title and messages are shown as they are)."""
@@ -523,6 +525,7 @@ class Launcher:
             f"reward(last10)={p.recent_reward() or 0:.3f} samples/s={p.throughput():.1f} lag={self.lags} "
             f"restarts={getattr(self, '_restarts', {}) or 0}"
             + (f" dead letters: {dead}" if dead else "")
+            + (f" trainer: {busy}" if (busy := self.stall.busy(time.time())) else "")
             + (f" stalled: {'; '.join(stalled)}" if stalled else "")
         )
 

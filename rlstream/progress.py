@@ -105,9 +105,10 @@ class Progress:
 
 
 def render(p: Progress, lags: dict, max_steps: int, k: int, elapsed: float, title: str = "rlstream", restarts=None,
-           dead_letters: str = "", stalled: list[str] | None = None):  # fmt: skip
+           dead_letters: str = "", stalled: list[str] | None = None, busy: str | None = None):  # fmt: skip
     """The live view: a rich table of the run's state; ``dead_letters`` and ``stalled`` (from
-    ``rlstream.stall``) are shown in red when there are any."""
+    ``rlstream.stall``) are shown in red when there are any, ``busy`` (the trainer inside a long
+    step, ``StallWatch.busy``) as the row ``trainer``."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -129,6 +130,8 @@ def render(p: Progress, lags: dict, max_steps: int, k: int, elapsed: float, titl
         t.add_row(
             "eval (newest)", f"v{v}: reward {p.evals[v]['reward_mean']:.3f}  pass@1 {p.evals[v]['pass_at_1']:.3f}"
         )
+    if busy:
+        t.add_row("trainer", escape(busy))
     t.add_row("restarts", "  ".join(f"{n}: {c}" for n, c in sorted((restarts or {}).items())) or "none")
     if dead_letters:
         t.add_row("dead letters (rl.dlq)", f"[red]{escape(dead_letters)}[/]")

@@ -15,6 +15,12 @@ reward: ``scored``, trainer: its step) and decides two things for the launcher:
 * ``verdict(now)``: the run's failure, when no trainer step has been made for ``liveness.stall_s``
   (since the start or the last step) and dead letters arrived in that window. A slow job without
   dead letters is never stopped here.
+* ``busy(now)``: a trainer inside a long step, e.g. ``busy in step 1 for 80 s (forward-backward,
+  micro-batch 3/8)``, from its in-step progress events (``busy_step``, ``busy_since_ms``,
+  ``micro_batch``/``micro_batches``, ``minibatch``/``minibatches`` and the label ``phase``:
+  ``consumers.trainer.heartbeat``). Such an event counts as the trainer's progress for both
+  decisions above (the first step too): a trainer is named only when neither a step nor one of
+  them came for the threshold.
 
 Pure folding: every time is wall-clock seconds passed in or read from the records' own timestamps
 (``timestamp_ms``, ``failed_at_ms``), so replayed records of an earlier run of the same job count
@@ -122,6 +128,7 @@ class StallWatch:
         self._step_times: list[float] = []
         self._stage_dead: dict[str, Reason] = {}  # stage -> its dead letters since its last progress
         self._window: dict[tuple[str, str], Reason] = {}  # dead letters of this run since the last step
+        self._busy: dict | None = None  # the trainer's newest in-step progress event (busy_step > its step)
 
     @property
     def step_at(self) -> float:
@@ -129,8 +136,15 @@ class StallWatch:
         return max([self.started, *self._step_times[-1:]])
 
     # -- folding ---------------------------------------------------------------------------------
+    @property
+    def busy_at(self) -> float:
+        """When the trainer last said it was busy inside a step (-inf if it is not in one)."""
+        return self._busy["at"] if self._busy else float("-inf")
+
     def add_metric(self, ev: dict) -> None:
         role, m, t = ev["role"], ev["metrics"], ev["timestamp_ms"] / 1000
+        if role == "trainer" and "busy_step" in m:
+            self._add_busy(ev, m, t)
         counter = OUTPUT.get(role, (None,))[0]
         if counter is None or counter not in m:
             return
@@ -140,6 +154,8 @@ class StallWatch:
                 self._last_step = step
                 self._step_times = [*self._step_times[-5:], t]
                 self._progressed("trainer", t)
+                if self._busy and self._busy["step"] <= step:
+                    self._busy = None
                 self._window = {k: r for k, r in self._window.items() if r.last_at >= t}
             return
         key, value = f"{role}/{ev['worker_id']}", float(m[counter])
@@ -147,6 +163,17 @@ class StallWatch:
         self._counters[key] = value
         if value > prev or 0 < value < prev:  # grew, or a restarted worker (counters from 0) made some
             self._progressed(role, t)
+
+    def _add_busy(self, ev: dict, m: dict, t: float) -> None:
+        step = int(m["busy_step"])
+        if step <= self._last_step or (self._busy and t < self._busy["at"]):
+            return  # (a step's last in-step event may arrive after the step itself)
+        self._busy = {
+            "at": t, "step": step, "since": float(m.get("busy_since_ms", t * 1000)) / 1000,
+            "phase": (ev.get("labels") or {}).get("phase", ""),
+            "micro": (int(m.get("micro_batch", 0)), int(m.get("micro_batches", 0))),
+            "mini": (int(m.get("minibatch", 0)), int(m.get("minibatches", 0))),
+        }  # fmt: skip
 
     def _progressed(self, stage: str, t: float) -> None:
         self.progress_at[stage] = max(self.progress_at[stage], t)
@@ -174,18 +201,37 @@ class StallWatch:
         """The stage(s) to name, e.g. ``reward (192 dead letters, nothing scored for 95 s)``."""
         found, busy_below = [], False  # busy_below: a stage downstream of this one has work
         for stage in reversed(STAGES):
-            quiet, lag = now - self.progress_at[stage], int(lags.get(stage, 0) or 0)
+            last = max(self.progress_at[stage], self.busy_at) if stage == "trainer" else self.progress_at[stage]
+            quiet, lag = now - last, int(lags.get(stage, 0) or 0)
             dead = self._stage_dead.get(stage)
             if quiet >= self._after_s(stage) and (lag > 0 or dead) and (dead or not busy_below):
                 what = [*([f"lag {lag}"] if lag > 0 else []), *([f"{dead.count} dead letters"] if dead else [])]
-                found.append((bool(dead), f"{stage} ({', '.join(what)}, {OUTPUT[stage][1]} for {quiet:.0f} s)"))
+                since = now - self.progress_at[stage]  # (the trainer: since its last step, not its last event)
+                found.append((bool(dead), f"{stage} ({', '.join(what)}, {OUTPUT[stage][1]} for {since:.0f} s)"))
             busy_below = busy_below or lag > 0 or bool(dead)
         named = [text for dead, text in found if dead]
         return named or [text for _, text in found]
 
+    def busy(self, now: float) -> str | None:
+        """``busy in step 1 for 80 s (forward-backward, micro-batch 3/8)`` while the trainer's
+        in-step events keep coming (the newest within the naming threshold), else None."""
+        b = self._busy
+        if b is None or now - b["at"] >= self._after_s("trainer"):
+            return None
+        what = [b["phase"]] if b["phase"] else []
+        if b["mini"][1] > 1:
+            what.append(f"minibatch {b['mini'][0]}/{b['mini'][1]}")
+        if b["micro"][1]:
+            what.append(f"micro-batch {b['micro'][0]}/{b['micro'][1]}")
+        said = f" ({', '.join(what)})" if what else ""
+        return f"busy in step {b['step']} for {max(0.0, now - b['since']):.0f} s{said}"
+
     def verdict(self, now: float) -> str | None:
-        """The run's failure status (without ``failed: ``), or None while it may go on."""
+        """The run's failure status (without ``failed: ``), or None while it may go on (also while
+        the trainer says it is busy inside a step)."""
         quiet = now - self.step_at
+        if self.busy(now) is not None:
+            return None
         if not self.stall_s or quiet < self.stall_s or not self._window:
             return None
         n = sum(r.count for r in self._window.values())

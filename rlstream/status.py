@@ -5,8 +5,9 @@ Per stage (prompts → rollout group, rollouts → reward group, scored → trai
 records, committed position, lag in records per partition, lag in policy versions (trainer version
 minus ``version_min`` of the oldest unconsumed record), and throughput from two offset samples
 ``interval`` seconds apart. Plus the trainer's version, each rollout worker's loaded version,
-DLQ counts by reason with the first error message of each, stale-dropped counts and the newest
-metrics per worker.
+DLQ counts by reason with the first error message of each, stale-dropped counts, the trainer
+inside a long step (``busy in step 3 for 80 s (forward-backward, micro-batch 3/8)``) and the
+newest metrics per worker.
 
 It only reads; it never commits or joins a group.
 """
@@ -21,7 +22,7 @@ from pipeline.errors import DecodeError
 from pipeline.kafka import Consumer, TopicPartition, client_conf
 from pipeline.notice_auth import verified
 from pipeline.topology import STAGES, Topology
-from rlstream.stall import DeadLetters
+from rlstream.stall import DeadLetters, StallWatch
 
 
 class StatusReader:
@@ -159,7 +160,11 @@ class StatusReader:
             if "stale" in k and not k.endswith("_rate")
         )
         evals = sorted((r for r in mets.values() if r["role"] == "eval"), key=lambda r: r["version"])
+        watch = StallWatch(0.0, 0.0)  # the trainer inside a long step, from its newest in-step event
+        for r in sorted((r for r in mets.values() if r["role"] == "trainer"), key=lambda r: r["timestamp_ms"]):
+            watch.add_metric(r)
         return {
+            "trainer_busy": watch.busy(time.time()),
             "eval": {
                 "version": evals[-1]["version"],
                 "reward_mean": evals[-1]["metrics"].get("eval_reward_mean"),
@@ -219,6 +224,8 @@ def render(snap: dict):
         escape("\n".join(f"{k}: {v}" + (f" ({first[k]})" if first.get(k) else "") for k, v in snap["dlq"].items()))
         or "empty",
     )
+    if snap.get("trainer_busy"):
+        extra.add_row("trainer", escape(snap["trainer_busy"]))
     extra.add_row("stale dropped", str(int(snap["stale_dropped"])))
     if snap.get("eval"):
         e = snap["eval"]

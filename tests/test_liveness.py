@@ -1,6 +1,6 @@
 """Alive, or loudly dead: the worker lifecycle's watchdog, bounded shutdown and second signal; the
 supervisor's restarts, crash-loop stop and children that die with it; and the everyday faults that
-used to stall or hang roles (issue 10): a rebalance while prompts are held, a broker restart in
+could stall or hang roles: a rebalance while prompts are held, a broker restart in
 the middle of a transaction, a failing first weight load (dead-lettered, not fatal), and roles started before their topics."""
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ TINY = ["model.hidden_size=32", "model.num_heads=2", "model.num_layers=1", "mode
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_partitions_handed_back_while_prompts_are_held_are_fetched_again(make_config):
-    """Issue 10 A: worker A holds prompts for admission (k = 0; a queue of 4 samples, so a partition
+    """Worker A holds prompts for admission (k = 0; a queue of 4 samples, so a partition
     holding one message has its share and is paused); B joins and takes some of them, then leaves
     and hands them back. librdkafka keeps a partition's pause flag across revoke and re-assign:
     without the wrapper's resume-on-assign A never fetches them again and the groups on them are
@@ -240,8 +240,8 @@ def test_sigterm_while_setup_waits_for_a_broker_that_is_down_exits_zero(tmp_path
 
 @pytest.mark.kafka
 def test_a_failing_first_weight_load_is_dead_lettered_and_the_worker_keeps_going(make_config, cli_env):
-    """Issue 10 F, as issue 24 point 7 changed it: a checkpoint that does not match its sha256 no
-    longer stops the worker (one bogus notice bricked a job): it is tried a bounded number of times,
+    """A checkpoint that does not match its sha256 no
+    longer stops the worker (one bogus notice must not brick a job): it is tried a bounded number of times,
     dead-lettered on rl.dlq with its reason, and the worker keeps running on the weights it has;
     SIGTERM still stops it promptly, through its clean shutdown."""
     from pipeline.checkpoint import write_weights
@@ -285,7 +285,7 @@ def test_a_failing_first_weight_load_is_dead_lettered_and_the_worker_keeps_going
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_roles_started_before_their_topics_wait_for_them(make_config, cli_env, tmp_path):
-    """Issue 10 G: metadata not ready / topics not created yet is transient at start-up: a reward
+    """Metadata not ready / topics not created yet is transient at start-up: a reward
     worker and a trainer started first, then the topics, then data: the trainer trains its steps,
     and SIGTERM stops the reward worker cleanly within the bound."""
     from pipeline.admin import ensure_topics
@@ -349,7 +349,7 @@ def test_a_reward_worker_stuck_in_a_transaction_is_declared_hung(make_config, cl
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_scoring_goes_on_through_a_broker_restart_exactly_once(tmp_path):
-    """Issue 10 B: the broker is stopped for ~12 s while a reward worker (the real CLI, supervised as
+    """The broker is stopped for ~12 s while a reward worker (the real CLI, supervised as
     `rlstream demo` runs it) is inside transactions, then started again on the same data dir. The
     worker rides it out in its own process: librdkafka can block forever in
     send_offsets_to_transaction after a broker restart (it did, before: the worker hung and ignored

@@ -1,4 +1,4 @@
-"""No silent stall (issue 23, item 3): dead letters by reason with their first message, a stage with
+"""No silent stall: dead letters by reason with their first message, a stage with
 work and no progress named on screen, and a job stopped non-zero when no step is made for
 ``liveness.stall_s`` while work is dead-lettered. The folding and the decisions with synthetic
 records and clock values (no Kafka, no sleeps); then a real job whose reward function raises, run

@@ -1,4 +1,4 @@
-"""Trainer checkpoints verify themselves (issue 24): the newest checkpoint's file truncated, deleted,
+"""Trainer checkpoints verify themselves: the newest checkpoint's file truncated, deleted,
 bit-flipped, or its whole directory gone, and the trainer starts from the previous valid checkpoint
 with one loud warning, its offsets with it: every sample is trained in exactly one finished step, and
 no version number is announced twice with other weights or skipped. None valid: one line naming the

@@ -1,5 +1,5 @@
 """What a finished trainer step reports: its counters and gauges (rl.metrics, Prometheus), its log
-line, and its steps-log entry (``<checkpoint_dir>/steps.jsonl``, docs/trainer.md#the-steps-log).
+line, and its steps-log entry (``<checkpoint_dir>/steps.jsonl``, docs/reference/trainer.md#the-steps-log).
 
 Every record the step disposed of is in exactly one of the entry's ``used``, ``update_skipped``,
 ``stale``, ``incomplete_dropped``, ``filtered``, ``overlong``. Under the token staleness rule the

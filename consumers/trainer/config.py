@@ -4,7 +4,7 @@ by tokens and packing, overlong filtering, checkpoints and weight publishing.
 
 Only declarations and bounds live here; the advantage and loss sections (a union per built-in,
 with the deprecated flat keys) are in ``loss_config.py``, the formulas in ``advantages.py``/``losses.py``
-and docs/losses.md. Values several roles share (k, n, G) are in ``pipeline.config.RLConfig``.
+and docs/reference/losses.md. Values several roles share (k, n, G) are in ``pipeline.config.RLConfig``.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ class TrainerConfig(StrictModel):
     closed_group_memory: int = Field(20_000, ge=0)
     """Remember this many trained group ids (kept in the checkpoint) so a late sample of one is dropped."""
     metrics_interval_s: float = Field(5.0, gt=0)
-    """Periodic MetricEvent interval (one is also sent after every trainer step)."""
+    """Periodic MetricEvent interval (one is also sent after every trainer step); inside a step
+    that lasts longer, the interval of its progress events (phase, micro-batch i of n)."""
     prometheus_port: int = Field(0, ge=0, le=65535)
     """Serve Prometheus /metrics on this port; 0: off."""
     seed: int = 0

@@ -15,9 +15,10 @@ from consumers.trainer.batch import sample_weights, shard_micro_batches, split_b
 from consumers.trainer.engines.base import all_reduce_sums, token_logprobs
 
 
-def prepare(engine, samples, trainer_cfg, loss_fn, step: int, ref=None) -> tuple[list[list], list[list]]:
+def prepare(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, progress=None) -> tuple[list[list], list[list]]:
     """The minibatches (every rank's samples) and, per minibatch, this rank's micro-batches with
-    ``prox_logp`` (when ``loss_fn.needs_prox_logp``) and ``ref_logp`` (with ``ref``) filled."""
+    ``prox_logp`` (when ``loss_fn.needs_prox_logp``) and ``ref_logp`` (with ``ref``) filled.
+    ``progress``: a ``heartbeat.StepHeartbeat`` told the phase (rank 0), or None."""
     tc = trainer_cfg
     minis = [
         part
@@ -38,6 +39,8 @@ def prepare(engine, samples, trainer_cfg, loss_fn, step: int, ref=None) -> tuple
         )
         for m in minis
     ]
+    if progress is not None and (loss_fn.needs_prox_logp or ref is not None):
+        progress.phase("logprobs")
     if loss_fn.needs_prox_logp:  # proximal policy = the weights before this step's first update
         for mbs in plans:
             for mb, lp in zip(mbs, engine.compute_logprobs(mbs), strict=True):
@@ -52,22 +55,27 @@ def prepare(engine, samples, trainer_cfg, loss_fn, step: int, ref=None) -> tuple
     return minis, plans
 
 
-def train_samples(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, on_minibatch=None) -> dict:
+def train_samples(engine, samples, trainer_cfg, loss_fn, step: int, ref=None, on_minibatch=None, progress=None) -> dict:
     """Run the optimizer steps of one trainer step. Returns loss (mean over minibatches of the
     summed-over-ranks loss), grad_norm and lr of the last update, counts, token-mean stats, and
     ``skipped_ids``: the trajectory ids of minibatches whose update was skipped on some rank (a
     non-finite gradient): they contributed nothing and must not be reported as used.
-    ``on_minibatch(micro_batches)`` is called before each update (tests inspect the inputs)."""
+    ``on_minibatch(micro_batches)`` is called before each update (tests inspect the inputs);
+    ``progress`` (rank 0's ``heartbeat.StepHeartbeat``, or None) is told the minibatch, micro-batch
+    and phase as they go."""
     out = {"loss": 0.0, "grad_norm": 0.0, "lr": engine.lr, "optimizer_steps": 0, "skipped": 0, "stats": {}}
     out["skipped_ids"] = []
     if not samples:  # nothing to learn from: no update (Adam's momentum would still move weights)
         return out
-    minis, plans = prepare(engine, samples, trainer_cfg, loss_fn, step, ref)
+    minis, plans = prepare(engine, samples, trainer_cfg, loss_fn, step, ref, progress)
     world = engine.world_size
     stats: dict[str, list[float]] = {}
-    for mini, mbs in zip(minis, plans, strict=True):
+    for i, (mini, mbs) in enumerate(zip(minis, plans, strict=True)):
         if on_minibatch is not None:
             on_minibatch(mbs)
+        if progress is not None:
+            progress.minibatch(i + 1, len(plans))
+            mbs = progress.counted(mbs)
         res = engine.train_step(mbs, loss_fn)
         names = sorted(res.stats)
         flat = [res.loss, float(res.skipped)] + [x for n in names for x in res.stats[n]]

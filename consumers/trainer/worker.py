@@ -34,6 +34,7 @@ from consumers.trainer.assembler import GroupAssembler, OffsetTracker
 from consumers.trainer.batch import informative, plan_step, sample_from_record
 from consumers.trainer.engines import TrainContext, build_engine
 from consumers.trainer.engines.base import barrier, broadcast_object, close_dist, dist_env
+from consumers.trainer.heartbeat import StepHeartbeat
 from consumers.trainer.losses import LossFn
 from consumers.trainer.publish import start_signer, write_version
 from consumers.trainer.selection import ArrivalSelector, ScheduleSelector, SequenceSelector
@@ -57,7 +58,7 @@ def tail_step_note(cfg) -> str | None:
     """With the trained tail (``rollout.overprovision_tail = "train"``) a group is drawn
     ``group_size + m`` strong and a step of ``rl.groups_per_step`` groups trains their tails too:
     say how large, and which settings keep the default rule's step size (on the real-model recipe
-    the larger steps trained less well per sample; docs/rollout.md)."""
+    the larger steps trained less well per sample; docs/reference/rollout.md)."""
     ro, n, g = cfg.rollout, cfg.rl.group_size, cfg.rl.groups_per_step
     if ro.overprovision_tail != "train":
         return None
@@ -69,7 +70,7 @@ def tail_step_note(cfg) -> str | None:
     )
     if n - m >= 2:  # a quorum of one has no group baseline
         note += f", rl.group_size={n - m} keeps its {n} draws a prompt and {g * n} a step"
-    return note + " (docs/rollout.md)"
+    return note + " (docs/reference/rollout.md)"
 
 
 class Trainer(Worker):
@@ -99,6 +100,7 @@ class Trainer(Worker):
         self.ckpts = TrainerCheckpoints(self.root)
         self._lock = None
         self.producer = self.consumer = self.metrics = None
+        self.step_beat: StepHeartbeat | None = None  # rank 0: in-step progress on rl.metrics
         self.step = self.version = 0
         self._closed = False
         self._last_commit: list | None = None  # the floors last committed to the consumer group
@@ -188,6 +190,8 @@ class Trainer(Worker):
             labels={"engine": tc.engine.type, "loss": tc.loss.type},
         )
         self.metrics.version = self.version
+        beat_conf = client_conf(cfg, "trainer", f"{wid}-progress", kind="producer")
+        self.step_beat = StepHeartbeat(self.metrics, Producer(beat_conf), tc.metrics_interval_s)
         for name, value in (ptr or {}).get("counters", {}).items():
             self.metrics.inc(name, value)  # counters are cumulative across restarts
         conf = {**client_conf(cfg, "trainer", wid, kind="consumer"), "on_commit": self._on_commit}
@@ -340,6 +344,7 @@ class Trainer(Worker):
                 self.metrics.maybe_publish()
                 return "idle", None
         tc = self.tc
+        self.step_beat.begin(self.step + 1)
         plan = plan_step(
             groups,
             self.version,
@@ -390,11 +395,18 @@ class Trainer(Worker):
         if self.rank == 0:
             self._account(result, time.monotonic() - t0)
         if self.step % self.tc.publish_every == 0 or (self.max_steps and self.step >= self.max_steps):
+            self._phase("checkpoint")
             with self.section("checkpoint"):
                 self._checkpoint()
+        if self.step_beat is not None:
+            self.step_beat.end()
+
+    def _phase(self, name: str) -> None:
+        if self.step_beat is not None:
+            self.step_beat.phase(name)
 
     def _train(self, samples) -> dict:
-        return train_samples(self.engine, samples, self.tc, self.loss_fn, self.step, self.ref)
+        return train_samples(self.engine, samples, self.tc, self.loss_fn, self.step, self.ref, progress=self.step_beat)
 
     def _account(self, result: dict, step_s: float) -> None:
         """Rank 0: dispose the step's records, count, log, report (``accounting.account_step``)."""
@@ -447,6 +459,7 @@ class Trainer(Worker):
         self._records = [*self._records, record][-self.tc.keep_checkpoints :]
         self.ckpts.write_pointer({**record, "previous": self._records[:-1]})
         t2 = time.monotonic()
+        self._phase("publishing weights")
         publish_weight_update(self.producer, self.cfg.topics.name("control"), update, self.liveness.outage_s)
         t3 = time.monotonic()
         self._published = (self.version, self.consumed)
@@ -499,6 +512,8 @@ class Trainer(Worker):
                     log.warning("final offset commit failed %s", kv(error=exc))
         finally:
             try:
+                if self.step_beat is not None:
+                    self.step_beat.close()
                 if self.metrics is not None:
                     self.metrics.close()
                 if self.consumer is not None:

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
@@ -28,7 +29,7 @@ poll/consume/flush), instead of its raw ``%3|...`` lines on stderr."""
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 ASSIGN_ONLY_GROUP_PREFIX = "rlstream-nogroup-"
 """Group id prefix of assign-only consumers (never committed to; librdkafka still looks it up, so a
-secured cluster grants Describe on this prefix: docs/security.md)."""
+secured cluster grants Describe on this prefix: docs/how-to/security.md)."""
 TP = tuple[str, int]
 _WEDGED: list = []
 """Clients whose librdkafka call never returned (see ``WedgedClient``): kept referenced for the
@@ -50,6 +51,8 @@ class _RdkafkaLog:
     def __init__(self):
         self._seen: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
+        self.to: logging.Handler | None = None
+        """Set by ``client_log_to``: the lines go there, not to ``RDKAFKA_LOG``."""
 
     def log(self, level: int, fmt: str, *args) -> None:
         text = fmt % args
@@ -63,10 +66,44 @@ class _RdkafkaLog:
             if len(self._seen) > 1000:
                 self._seen.clear()
             self._seen[key] = (now, 0)
-        RDKAFKA_LOG.log(level, "%s%s", text, f" ({repeats} more like it since the last one)" if repeats else "")
+        args = (text, f" ({repeats} more like it since the last one)" if repeats else "")
+        if self.to is not None:  # a terminal's process: its file (``client_log_to``)
+            self.to.handle(RDKAFKA_LOG.makeRecord(RDKAFKA_LOG.name, level, __file__, 0, "%s%s", args, None))
+        else:
+            RDKAFKA_LOG.log(level, "%s%s", *args)
 
 
 _RDKAFKA = _RdkafkaLog()
+
+
+class _ClientLogFile(logging.Handler):
+    """Where ``_RDKAFKA`` writes in a process whose stderr is a user's terminal: a file."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(self.format(record) + "\n")
+        except Exception:  # logging must never break a client's callback
+            self.handleError(record)
+
+
+def client_log_to(path: Path) -> None:
+    """Keep this process's librdkafka lines off its stderr, which is a user's terminal (the
+    launcher of ``rlstream run``/``demo``): they go to ``path`` instead. A child forked from this
+    process logs them to ``RDKAFKA_LOG`` again (its own log)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if _RDKAFKA.to is None:
+        os.register_at_fork(after_in_child=_client_log_in_child)
+    _RDKAFKA.to = _ClientLogFile(Path(path))
+
+
+def _client_log_in_child() -> None:
+    _RDKAFKA.to = None
 
 
 def _on_client_error(err: KafkaError) -> None:
@@ -84,7 +121,7 @@ def raise_if_auth_failed(what: str = "") -> None:
     if _auth_error:
         err = _auth_error[0]
         raise KafkaClientError(f"{what + ': ' if what else ''}authentication failed: {err} (check kafka.common: "
-                               "security.protocol, sasl.*, ssl.ca.location; docs/security.md)", err)  # fmt: skip
+                               "security.protocol, sasl.*, ssl.ca.location; docs/how-to/security.md)", err)  # fmt: skip
 
 
 def client_conf(cfg, role: str, worker_id: str | None = None, kind: str = "common") -> dict:
@@ -217,7 +254,7 @@ def check_reachable(conf: dict, timeout: float, hint: str = "") -> None:
     if auth:
         raise KafkaClientError(
             f"authentication with {bootstrap} failed: {auth[-1].str()} (check kafka.common: security.protocol, "
-            "sasl.*, ssl.ca.location; docs/security.md)",
+            "sasl.*, ssl.ca.location; docs/how-to/security.md)",
             auth[-1],
         )
     detail = [e for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
@@ -318,7 +355,7 @@ def _partitions_of(client, topic: str, timeout: float) -> list[int]:
         code = meta.error if meta is not None and meta.error is not None else KafkaError(KafkaError._UNKNOWN_TOPIC)
         if code.code() in _AUTHZ_CODES:
             raise TopicError(
-                f"not authorized for topic {topic} ({code}): grant this principal ACLs (docs/security.md)", code
+                f"not authorized for topic {topic} ({code}): grant this principal ACLs (docs/how-to/security.md)", code
             )
         raise TopicError(f"topic {topic} is not available ({code}); run `rlstream topics create`", code)
     return sorted(meta.partitions)

@@ -33,7 +33,7 @@ FETCH_QUEUE_BACKOFF_MS = 20
 its local queue is over ``queued.max.messages.kbytes`` (64 MB). With 64 MB fetches, a consumer
 reading a backlog (a restarted trainer, the transport bench) then waited about 0.9 s each time it
 drained its queue: 11,300 against 80,000-96,000 messages/s of 10 KB, eight runs each
-(docs/benchmarks.md, transport). 20 ms only re-checks the queue more often."""
+(docs/results/performance.md, transport). 20 ms only re-checks the queue more often."""
 FETCH_DEFAULTS = {
     "fetch.max.bytes": 64 * 1024 * 1024,
     "max.partition.fetch.bytes": 16 * 1024 * 1024,
