@@ -41,6 +41,7 @@ from pipeline.config import dump_toml
 from pipeline.errors import ConfigError, DecodeError, JobChanged, NothingToTrain
 from pipeline.kafka import Consumer, Producer, client_conf
 from pipeline.log import kv
+from rlstream.lease import refuse_if_running
 
 log = logging.getLogger(__name__)
 SCHEMA = "JobRecord"
@@ -281,6 +282,7 @@ def check(cfg, stored: dict | None) -> str | None:
     name = cfg.job.name
     step = current_step(cfg)
     if stored is not None and str(stored["run_dir"]) != str(cfg.run_dir):
+        refuse_if_running(cfg)  # a running job is the first thing to say
         raise JobChanged(
             f"job {name} lives in {stored['run_dir']}, but this launch would use {cfg.run_dir}: run it with "
             f"-s run_dir={Path(stored['run_dir']).parent} (its parent), or give this one another name "
@@ -289,9 +291,8 @@ def check(cfg, stored: dict | None) -> str | None:
     diff = changes(stored["settings"], settings_of(cfg)) if stored is not None else []
     refused = [c for c in diff if c.kind in REFUSED]
     if refused:
-        raise JobChanged(
-            f"job {name} was trained with other settings: {'; '.join(map(str, refused))}. {HOW}"
-        )
+        refuse_if_running(cfg)
+        raise JobChanged(f"job {name} was trained with other settings: {'; '.join(map(str, refused))}. {HOW}")
     if step is not None and step >= cfg.trainer.max_steps:
         raise NothingToTrain(
             f"job {name} is at step {step} already, and trainer.max_steps is {cfg.trainer.max_steps}: nothing to "

@@ -172,8 +172,9 @@ def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say, *, restart
     answers there (BrokerUnreachable, one line; a configured one is tried first, as the quickest
     check); with ``restart`` the job's topics, groups and files deleted (``rlstream.jobs.remove``);
     then the job's record compared (``rlstream.identity.check``: JobChanged, NothingToTrain, or the
-    line ``resuming ...`` said), then the generated data written. Yields the job's stored record
-    (None for a fresh job); ``cfg.kafka.bootstrap_servers`` is the address.
+    line ``resuming ...`` made, for ``run_job`` to say once the job is held), then the generated
+    data written. Yields the job's stored record (None for a fresh job) and that line;
+    ``cfg.kafka.bootstrap_servers`` is the address.
     ``before_check(cfg)``: called connected, before ``check`` (a fork exports its base model there);
     ``created``: a directory to delete again when the start fails after it."""
     from rlstream import identity
@@ -201,10 +202,8 @@ def checked_start(cfg, data: dict[Path, str], keep_broker: bool, say, *, restart
 
                 shutil.rmtree(created, ignore_errors=True)
             raise
-        if line:
-            say(line)
         write_data(data)
-        yield stored
+        yield stored, line
 
 
 def lines(console):
@@ -241,9 +240,12 @@ def launch(job_file, sets: list[str], *, preset: dict | None = None, name: str |
         raise ConfigError("--from-version goes with --fork NEW (the version of this job the new one starts from)")
     cfg, data = plan(job_file, sets, preset, name, flags)
     record_job_dir(cfg, job_file)
-    with early_fork_server(cfg) as forks, checked_start(cfg, data, keep_broker, lines(console), restart=restart) as rec:
+    with (
+        early_fork_server(cfg) as forks,
+        checked_start(cfg, data, keep_broker, lines(console), restart=restart) as (rec, line),
+    ):
         return run_job(cfg, title=f"rlstream run {cfg.job.name}", live=live, console=console, forks=forks,
-                       forked_from=(rec or {}).get("forked_from"))  # fmt: skip
+                       forked_from=(rec or {}).get("forked_from"), note=line)  # fmt: skip
 
 
 def launch_fork(job_file, sets: list[str], new: str, from_version: int | None, *, preset=None, name=None,
@@ -297,9 +299,10 @@ def launch_fork(job_file, sets: list[str], new: str, from_version: int | None, *
 
     fresh = not Path(cfg.run_dir).exists()
     with early_fork_server(cfg) as forks, checked_start(cfg, data, keep_broker, lines(console), before_check=export_base,
-                                                         created=Path(cfg.run_dir) if fresh else None):  # fmt: skip
+                                                         created=Path(cfg.run_dir) if fresh else None) as (_, line):  # fmt: skip
         title = f"rlstream run {new} (forked from {origin['job']} v{origin['version']})"
-        return run_job(cfg, title=title, live=live, console=console, forks=forks, forked_from=dict(origin))
+        return run_job(cfg, title=title, live=live, console=console, forks=forks, forked_from=dict(origin),
+                       note=line)  # fmt: skip
 
 
 def run_job(
@@ -311,13 +314,16 @@ def run_job(
     extra_report: dict | None = None,
     forks=None,
     forked_from: dict | None = None,
+    note: str | None = None,
 ) -> dict:
     """Start the job's roles under the launcher until the trainer reaches ``trainer.max_steps``;
     returns the report (also in ``<run dir>/report.json``). ``forks``: a fork server started
     earlier (``rlstream.launcher.start_fork_server``), else the launcher starts one. Once the job's
     lease is held, its settings are stored (``rlstream.identity.write``; ``forked_from``: the
-    parent of a fork, also in the report)."""
+    parent of a fork, also in the report; ``note``: the line that says how the job goes on, said
+    then)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from rlstream import identity
     from rlstream.launcher import Launcher, RoleSpec, metrics_port, standard_roles
@@ -339,8 +345,14 @@ def run_job(
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     live = console.is_terminal if live is None else live
+
+    def held() -> None:  # the job is ours: say how it goes on, then record its settings
+        if note:
+            console.print(escape(note), highlight=False, soft_wrap=True)
+        identity.write(cfg, forked_from)
+
     launcher = Launcher(cfg, run_dir, roles, title=title, live=live, console=console, forks=forks,
-                        on_hold=lambda: identity.write(cfg, forked_from))  # fmt: skip
+                        on_hold=held)  # fmt: skip
     launcher.run()
     return launcher.finish_report(
         {

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -194,29 +193,18 @@ def list_jobs(cfg) -> list[dict]:
 
 
 def describe_job(cfg, name: str, rec: dict | None) -> dict:
+    """A row of ``rlstream jobs``."""
     import json
 
-    from pipeline import codec
-    from pipeline.control import now_ms
-    from pipeline.errors import DecodeError
-    from pipeline.kafka import Consumer
-    from rlstream.lease import SCHEMA, holders, host_id
+    from rlstream.lease import live_holder
 
     row = {"job": name, "running": False, "host": None, "pid": None, "version": None, "step": None,
            "run_dir": rec["run_dir"] if rec else None, "last_eval": None,
            "forked_from": rec.get("forked_from") if rec else None}  # fmt: skip
-    with Consumer(client_conf(cfg, "jobs", kind="consumer")) as c:
-        records = []
-        for m in c.read_to_end(cfg.topics.name("lease"), timeout=cfg.kafka.request_timeout_s, strict=False):
-            try:
-                r = codec.decode_as(m.value(), SCHEMA)
-            except DecodeError:
-                continue
-            records.append({**r, "_offset": m.offset(), "_ts": m.timestamp()[1]})
-    live, _ = holders(records, "", now_ms(), socket.gethostname(), host_id())
-    if live:
-        row.update(running=True, host=live[0]["host"], pid=live[0]["pid"])
-        row["run_dir"] = row["run_dir"] or live[0].get("run_dir") or None
+    holder = live_holder(cfg)
+    if holder is not None:
+        row.update(running=True, host=holder["host"], pid=holder["pid"])
+        row["run_dir"] = row["run_dir"] or holder.get("run_dir") or None
     try:
         from pipeline.versions import published
 

@@ -162,6 +162,37 @@ def refusal(job: str, r: dict, same_host: bool, now_ts: int | None = None) -> st
     return f"{job} is already running: {describe(r)}; {hint}"
 
 
+def live_holder(cfg) -> dict | None:
+    """Read-only: the newest record of a run that holds the job now (by this machine's clock for
+    another host's lease), None when none does or the job has no lease topic. For listings and
+    for refusing a launch before anything is claimed; the claim (``JobLease``) decides."""
+    topic = cfg.topics.name("lease")
+    admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
+    try:
+        if topic not in admin.list_topics():
+            return None
+    finally:
+        admin.close()
+    records = []
+    with Consumer(client_conf(cfg, "lease", kind="consumer")) as c:
+        for m in c.read_to_end(topic, timeout=cfg.kafka.request_timeout_s, strict=False):
+            try:
+                r = codec.decode_as(m.value(), SCHEMA)
+            except DecodeError:
+                continue
+            records.append({**r, "_offset": m.offset(), "_ts": m.timestamp()[1]})
+    live, _ = holders(records, "", now_ms(), socket.gethostname(), host_id())
+    return live[0] if live else None
+
+
+def refuse_if_running(cfg) -> None:
+    """JobAlreadyRunning (the lease's own line) when a run holds the job now."""
+    r = live_holder(cfg)
+    if r is not None:
+        same = bool(host_id()) and r["host"] == socket.gethostname() and r["host_id"] == host_id()
+        raise JobAlreadyRunning(refusal(job_label(cfg.job.name, cfg.topics.prefix), r, same, now_ms()))
+
+
 def ensure_lease_topic(cfg) -> str:
     """Create the job's lease topic (``topics.lease``) if it is missing; returns its name."""
     admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)

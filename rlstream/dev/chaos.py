@@ -21,8 +21,10 @@ Phases:
 
 The sizes, the options and the seeded fault schedule: ``rlstream.dev.chaos_plan``.
 
-Output: progress lines on stderr, one verdict line on stdout, ``<out>/report.json`` and the role
-logs (``<out>/logs``, with the supervisor's ``events.jsonl``). Exit code 0 on PASS.
+Output: progress lines on stderr, one verdict line on stdout, ``<out>/report.json``, the run's
+timeline picture ``<out>/timeline.png`` and the role logs (``<out>/logs``, with the supervisor's
+``events.jsonl``); with ``--docs PAGE``, the page's ``<!-- chaos:<size> -->`` block regenerated
+(``rlstream.dev.chaos_docs``). Exit code 0 on PASS.
 Not a benchmark, and not a substitute for the unit tests of each role.
 """
 
@@ -45,7 +47,7 @@ from pipeline.config import load_tree, merge, settings_tree, validate
 from pipeline.log import kv, setup_logging
 from pipeline.topology import RunIdentity
 from rlstream.demo import TASK, demo_settings, write_task
-from rlstream.dev import chaos_audit, chaos_live
+from rlstream.dev import chaos_audit, chaos_docs, chaos_live
 from rlstream.dev.chaos_broker import BrokerOps, ClusterOps
 from rlstream.dev.chaos_plan import BASE_ROLES, TASK_RECORDS, WORKERS, ChaosOptions, Fault, plan_faults
 from rlstream.launcher import Launcher, RoleSpec, standard_roles
@@ -293,6 +295,7 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
 
     setup_logging("INFO")
     console = Console(stderr=True, soft_wrap=True)
+    command, host = chaos_docs.command_line(opts, config_path, sets), chaos_docs.machine_info()
     t_start, code_at_start = time.monotonic(), code_fingerprint()
     base = load_config(config_path, sets)
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -376,7 +379,7 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
     changed = sorted({f for f, _ in code_fingerprint().items() ^ code_at_start.items()})
     return _report(
         run_dir, opts, p, status, (audit, live_r), chaos, injector, ops, bootstrap, time.monotonic() - t_start,
-        changed, steps,
+        changed, steps, (command, host),
     )  # fmt: skip
 
 
@@ -392,8 +395,9 @@ def code_fingerprint() -> dict[str, str]:
     }
 
 
-def _report(run_dir, opts, p, status, audits, chaos, injector, ops, bootstrap, wall_s, changed, steps) -> dict:
+def _report(run_dir, opts, p, status, audits, chaos, injector, ops, bootstrap, wall_s, changed, steps, how) -> dict:
     audit, live = audits
+    command, host = how
     live = live or chaos_live.not_run(status if status != "ok" else "the run ended before its audit")
     events = chaos.launcher.sup.events if chaos and chaos.launcher.sup else []
     sup = chaos_audit.supervision(events)
@@ -430,6 +434,11 @@ def _report(run_dir, opts, p, status, audits, chaos, injector, ops, bootstrap, w
     report = {
         **v,
         "line": line,
+        "availability_line": chaos_audit.availability_line(avail),
+        "command": command,
+        "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "wall": wall,
+        "steps_timeline": chaos_docs.steps_series(steps),
         "status": status,
         "size": opts.size,
         "seed": opts.seed,
@@ -453,6 +462,10 @@ def _report(run_dir, opts, p, status, audits, chaos, injector, ops, bootstrap, w
         "fuzz_records": injector.records if injector else [],
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    print(chaos_audit.availability_line(avail), flush=True)
+    picture = chaos_docs.timeline(report, run_dir / "timeline.png")
+    if opts.docs is not None:
+        chaos_docs.publish(report, opts.docs, picture)
+        log.info("docs updated %s", kv(page=opts.docs, block=f"chaos:{opts.size}", picture=picture))
+    print(report["availability_line"], flush=True)
     print(line, flush=True)
     return report

@@ -89,6 +89,8 @@ class ChaosOptions:
     rollout_standby: bool = False
     """Run the rollout workers by slot with a warm spare (``job.rollout_standby``); a rollout kill
     then strikes the worker that holds the slot at that moment (``producers.slots``)."""
+    docs: Path | None = None
+    """A results page whose ``<!-- chaos:<size> -->`` block the run regenerates (``chaos_docs``)."""
     unpaced: bool = False
     """Feed as fast as admission allows (``feed.rate = 0``) instead of spreading the groups over the
     chaos phase: for availability figures (ETTR) with a trainer-bound setup (sim engines)."""

@@ -35,6 +35,12 @@ def chaos(
     joins: int | None = typer.Option(None, "--joins", help="Join/leave cycles of a rollout and a reward worker."),
     fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
     drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
+    docs: Path | None = typer.Option(
+        None,
+        "--docs",
+        help="A results page (e.g. docs/results/reliability.md) whose generated block of this size (between the "
+        "markers chaos:SIZE and /chaos:SIZE) is rewritten from the run; its timeline picture goes to the docs' img/.",
+    ),
     keep_data: bool = typer.Option(False, "--keep-data", help="Keep the broker's data in the run dir."),
     nodes: int | None = typer.Option(
         None,
@@ -64,11 +70,13 @@ def chaos(
 
     if size not in SIZES:
         raise typer.BadParameter(f"--size must be one of {', '.join(SIZES)}")
+    if docs is not None and (docs.suffix != ".md" or not docs.is_file()):
+        raise typer.BadParameter(f"--docs {docs}: not an existing markdown page (the run writes its block there)")
 
     sigterm_unwinds()
     opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
                         broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes, unpaced=unpaced, standby=standby,
-                        rollout_standby=rollout_standby)  # fmt: skip
+                        rollout_standby=rollout_standby, docs=docs.resolve() if docs else None)  # fmt: skip
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 

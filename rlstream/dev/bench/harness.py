@@ -390,14 +390,42 @@ def rnd(x, nd: int = 3):
     return round(float(x), nd)
 
 
+CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+"""The CPU flags a results block names (those that change the models' speed)."""
+
+
 def machine() -> dict:
+    """The facts a results block states: CPUs, the CPU model and its ``CPU_FLAGS`` (from
+    ``/proc/cpuinfo``; empty where there is none), load average, git revision, time."""
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    model, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
     return {
         "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "cpu_flags": [f for f in CPU_FLAGS if f in flags],
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
         "git": rev.stdout.strip() or None,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
+
+
+def img_dir_of(docs: Path) -> Path:
+    """The docs tree's ``img/`` directory: the nearest one above the page, else ``<page dir>/img``."""
+    for d in [docs.parent, *docs.parent.parents]:
+        if (d / "img").is_dir():
+            return d / "img"
+        if (d / ".git").exists():
+            break
+    return docs.parent / "img"
 
 
 def write_json(path: Path, obj) -> Path:
@@ -419,15 +447,18 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(docs: Path, section: str, markdown: str, images: list[Path]) -> None:
-    """Replace the generated block ``<!-- bench:<section> -->`` … ``<!-- /bench:<section> -->`` of
-    ``docs`` (appended if missing) and copy ``images`` to ``<docs dir>/img/bench/``."""
+def update_docs(
+    docs: Path, section: str, markdown: str, images: list[Path], marker: str = "bench", img_dir: Path | None = None
+) -> None:
+    """Replace the generated block ``<!-- <marker>:<section> -->`` … ``<!-- /<marker>:<section> -->`` of
+    ``docs`` (appended if missing) and copy ``images`` to ``img_dir`` (default the docs tree's
+    ``img/bench/``, ``img_dir_of``)."""
     docs = Path(docs)
-    img_dir = docs.parent / "img" / "bench"
+    img_dir = Path(img_dir) if img_dir is not None else img_dir_of(docs) / "bench"
     img_dir.mkdir(parents=True, exist_ok=True)
     for img in images:
         shutil.copyfile(img, img_dir / img.name)
-    begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    begin, end = f"<!-- {marker}:{section} -->", f"<!-- /{marker}:{section} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
     text = docs.read_text() if docs.is_file() else "# Benchmarks\n"
     if begin in text and end in text:
