@@ -88,6 +88,18 @@ def env_reward_text(trajectory: dict) -> str | None:
     return (trajectory.get("metadata") or {}).get(ENV_REWARD_KEY)
 
 
+# ---- a demonstration (Trajectory metadata) ------------------------------------------------------
+DEMO_KEY = "demonstration"
+"""Trajectory metadata key, ``"1"`` on a supervised demonstration (the feed's ``sft`` mode,
+``producers.sft``): no policy version generated it, so the trainer's staleness bound does not
+apply to it (its ``version_min``/``version_max`` are 0)."""
+
+
+def is_demonstration(trajectory: dict) -> bool:
+    """Whether a trajectory is a supervised demonstration rather than a policy's sample."""
+    return (trajectory.get("metadata") or {}).get(DEMO_KEY) == "1"
+
+
 # ---- an over-provisioned group's draw (Trajectory metadata) -------------------------------------
 DRAW_KEY = "drawn_as"
 """Trajectory metadata key, ``rollout.overprovision`` only: the index the sample was drawn under,

@@ -44,7 +44,7 @@ class FeedConfig(DatasetFields):
     only once the rollout workers may start it (admission, following rl.control) and put each
     message on the prompts partition with the shortest backlog (producers.pacing); runs until every
     group is published. The examples and ``rlstream demo`` use ``paced`` (their feeds are unbounded);
-    on a long-tailed workload it measured slower than ``all`` (docs/benchmarks.md)."""
+    on a long-tailed workload it measured slower than ``all`` (docs/results/performance.md)."""
     paced_backlog: int = Field(8, ge=1, le=10_000)
     """``paced``: most of the feed's messages per prompts partition not yet committed by the rollout
     workers (queued or being generated). A worker commits a partition in offset order, so one long
@@ -58,6 +58,13 @@ class FeedConfig(DatasetFields):
     samples/s with 0, 80 with 1). 0 = publish only what is admissible now."""
     checkpoint_every: int = Field(64, ge=1, le=1_000_000)
     """Publish the feed state to rl.control after this many groups (and at the end)."""
+    mode: Literal["rl", "sft"] = "rl"
+    """``rl``: publish prompts to rl.prompts for the rollout workers. ``sft``: a supervised stage:
+    each record is a chat conversation (``messages`` in OpenAI format, ``tool_calls`` on assistant
+    turns, ``tool`` turns), rendered as a live episode of its task would be and written straight to
+    rl.scored as a demonstration (a group of one, assistant tokens trained, everything else masked;
+    ``producers.sft``), for a trainer with ``[trainer.loss] type = "sft"``. No rollout or reward
+    worker is needed; resume is exact as in ``rl`` mode. Needs a chat template."""
 
 
 class EnvConfig(StrictModel):
@@ -102,14 +109,14 @@ class RolloutConfig(StrictModel):
     """``heartbeat.interval.ms`` of the prompt consumer (a ``kafka.consumer`` setting wins): a member
     learns of a rebalance only from a heartbeat answer and a cooperative rebalance takes two rounds,
     so partitions that move (a worker joins or leaves) are unowned for about twice this long.
-    librdkafka's 3000 held prompts back ~3 s when the second worker joined (docs/operations.md,
+    librdkafka's 3000 held prompts back ~3 s when the second worker joined (docs/how-to/multi-machine.md,
     "Rebalances"). Must be below ``session_timeout_ms``."""
     session_timeout_ms: int = Field(15_000, ge=1000, le=3_600_000)
     """``session.timeout.ms`` of the prompt consumer (a ``kafka.consumer`` setting wins): how long the
     prompts of a worker that died without leaving (kill -9, a lost node) stay unowned, and how long
     a rebalance started by its restart (a new member: rollout workers are dynamic members) waits for
     the dead member. librdkafka's 45000 held a three-node chaos run's prompts back ~45 s after each
-    rollout kill (docs/reliability.md). The heartbeat runs on librdkafka's own thread, so a busy
+    rollout kill (docs/results/reliability.md). The heartbeat runs on librdkafka's own thread, so a busy
     engine does not miss it; the broker's ``group.min.session.timeout.ms`` (6000) is the floor."""
     slots: int = Field(0, ge=0, le=256)
     """Static membership by slot (``producers.slots``): with N > 0 a worker takes the first free one of
@@ -124,7 +131,7 @@ class RolloutConfig(StrictModel):
     prefetch_samples: int | None = Field(None, ge=0, le=1_000_000)
     """Admitted samples the worker keeps queued beyond its free slots (None = ``max_inflight``), so
     a slot that frees starts the next sample at once instead of waiting for a fetch from the
-    broker (measured on the sim bench, uniform k = 1: 32 samples/s with 0, see docs/benchmarks.md).
+    broker (measured on the sim bench, uniform k = 1: 32 samples/s with 0, see docs/results/performance.md).
     0 takes only what can start now; a larger look-ahead holds work other workers could do."""
     queue_samples: int | None = Field(None, ge=1, le=10_000_000)
     """Samples of consumed, not yet admitted prompt messages the worker keeps in memory (None =
@@ -133,7 +140,7 @@ class RolloutConfig(StrictModel):
     from one partition never keep another partition's admissible ones out). Pausing is the
     exception, not the flow control: librdkafka drops a paused partition's fetched messages and a
     resume waits for a new fetch, which left 13-18% of the decode slots idle on the sim bench when
-    the worker paused whenever its look-ahead was full (docs/benchmarks.md).
+    the worker paused whenever its look-ahead was full (docs/results/performance.md).
     Queued messages are not admitted: a revoked partition's queue goes to its next owner."""
     max_new_tokens: int = Field(64, ge=1, le=1_000_000)
     """Default response budget per sample (a prompt may lower or raise it); multi-turn: whole episode."""
@@ -159,7 +166,7 @@ class RolloutConfig(StrictModel):
     (``version - version_min > k``), its tokens so far are discarded (``restarted_samples``,
     ``restart_discarded_tokens``). 0 = never. A sample restarted this many times is finished as
     before, so a sample longer than k steps cannot loop. Never applied to multi-turn samples.
-    Off by default; measured on the sim long-tail bench in docs/benchmarks.md."""
+    Off by default; measured on the sim long-tail bench in docs/results/performance.md."""
     restart_scope: Literal["all", "finished", "in_flight"] = "all"
     """Which samples ``stale_restarts`` restarts. ``in_flight``: the samples an ``interrupt`` reload
     catches (above). ``finished`` (any reload policy, either staleness rule): a prompt message's
@@ -170,7 +177,7 @@ class RolloutConfig(StrictModel):
     ``regenerated_samples`` and ``regenerate_discarded_tokens``; so is one the trainer will likely
     drop (``restart_margin``) when the message's last sample finishes and will itself train.
     Those are the short samples of a group whose long sample is still generating, where most stale
-    waste comes from (docs/benchmarks.md). ``all``: both."""
+    waste comes from (docs/results/performance.md). ``all``: both."""
     restart_margin: int | None = Field(None, ge=0, le=100)
     """Versions of look-ahead for regenerating a message's held samples when its last sample
     finishes (``restart_scope`` ``all``/``finished``): those the trainer would drop at the loaded
@@ -179,11 +186,11 @@ class RolloutConfig(StrictModel):
     also applies at every weight load, so such samples run again beside the sample their message
     still waits for instead of after it (k = 2 bench: 0.71 -> 0.75 of ideal, stale drops 14 -> 0-6).
     None = 1 at k >= 2, else 0. Measured on the sim long-tail bench
-    (docs/benchmarks.md): at k = 2, token rule, stale drops 81 -> 12 at the same throughput; at
+    (docs/results/performance.md): at k = 2, token rule, stale drops 81 -> 12 at the same throughput; at
     k = 1 a margin of 1 regenerated 232 samples to save 68 drops and lost about 10% throughput
     (the trainer, starved at k = 1, mostly trains a group at the version it was loaded with)."""
     overprovision: int = Field(0, ge=0, le=64)
-    """Past the group barrier (opt-in; docs/losses.md "Over-provisioned groups"): start this many
+    """Past the group barrier (opt-in; docs/reference/losses.md "Over-provisioned groups"): start this many
     samples per group beyond ``rl.group_size``; the first ``group_size`` to finish are the group
     (numbered 0.. in the order they finished) and the rest are aborted, so a group no longer waits
     for its slowest sample. It changes what is trained: the slowest samples of every group are never
@@ -198,7 +205,7 @@ class RolloutConfig(StrictModel):
     ``group_size``): the trainer trains the first ``group_size`` as the group as soon as they are
     in, and each tail sample in a later step with the baseline of the samples already trained, so
     every sample drawn is trained (or dropped as stale by the usual bound) and none is selected out
-    by its length (docs/losses.md "Over-provisioned groups")."""
+    by its length (docs/reference/losses.md "Over-provisioned groups")."""
     poll_timeout_s: float = Field(0.05, gt=0, le=10)
     """Longest a loop iteration waits on Kafka when the engine is idle."""
     metrics_interval_s: float = Field(2.0, gt=0)

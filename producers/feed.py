@@ -22,6 +22,10 @@ across all runs, like ``epochs``: restarting never feeds more than one uninterru
 The process lifecycle (signals, watchdog, start-up retries) is ``pipeline.worker``'s; a stop
 publishes the feed state first, so the next run resumes exactly.
 
+Supervised mode (``feed.mode = "sft"``): each record is a chat conversation, written to rl.scored
+as a demonstration (``producers.sft``: a group of one, keyed by its group id) instead of a prompt;
+group numbering, ``limit``, ``epochs`` and exact resume are the same, read from rl.scored.
+
 What this is not: a scheduler; workers pull from rl.prompts at their own pace.
 """
 
@@ -40,6 +44,7 @@ from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.worker import Worker
 from producers.pacing import Pacer
+from producers.sft import load_sft, scored_record
 
 log = logging.getLogger(__name__)
 STATE_COMMAND = "feed_state"
@@ -75,16 +80,22 @@ def read_state(cfg, name: str, timeout: float | None = None) -> dict | None:
     }
 
 
-def scan_sent(cfg, name: str, offsets: dict[int, int]) -> set[tuple[int, int]]:
-    """(group_seq, sample_start) of feed ``name``'s prompts at or after ``offsets`` on rl.prompts."""
+def scan_sent(cfg, name: str, offsets: dict[int, int], sft: bool = False) -> set[tuple[int, int]]:
+    """(group_seq, sample_start) of feed ``name``'s prompts at or after ``offsets`` on rl.prompts
+    (``sft``: of its demonstrations on rl.scored, sample_start 0)."""
     sent: set[tuple[int, int]] = set()
+    topic, schema = (cfg.topics.name("scored"), "ScoredTrajectory") if sft else (cfg.topics.name("prompts"), "Prompt")
     with Consumer(client_conf(cfg, "feed-scan", kind="consumer")) as c:
-        for m in c.read_to_end(cfg.topics.name("prompts"), offsets, 10 * cfg.kafka.request_timeout_s):
+        for m in c.read_to_end(topic, offsets, 10 * cfg.kafka.request_timeout_s):
             try:
-                rec = decode_message(m, "Prompt")
+                rec = decode_message(m, schema)
             except DecodeError:
                 continue
-            if rec["metadata"].get("feed") == name:
+            if sft:
+                t = rec.get("trajectory") or {}
+                if (t.get("metadata") or {}).get("feed") == name:
+                    sent.add((t["group_seq"], 0))
+            elif rec["metadata"].get("feed") == name:
                 sent.add((rec["group_seq"], rec["sample_start"]))
     return sent
 
@@ -96,7 +107,8 @@ class Feed(Worker):
     def __init__(self, cfg):
         super().__init__(cfg, cfg.feed.name)
         self.fc = cfg.feed
-        self.topic = cfg.topics.name("prompts")
+        self.sft = cfg.feed.mode == "sft"
+        self.topic = cfg.topics.name("scored" if self.sft else "prompts")
         self.producer: Producer | None = None
         self._wm: Consumer | None = None
         self.pacer: Pacer | None = None
@@ -105,10 +117,12 @@ class Feed(Worker):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.records = load_dataset(self.fc)
+        self.records = load_sft(cfg) if self.sft else load_dataset(self.fc)
         if not self.records:
             raise ConfigError(f"feed.source {self.fc.source} has no records")
-        self.sha = dataset_hash(self.records)
+        self.sha = dataset_hash([{k: v for k, v in r.items() if k != "_rendered"} for r in self.records])
+        if self.sft and self.fc.dispatch == "paced":
+            raise ConfigError("feed.mode = 'sft' writes to rl.scored: feed.dispatch must be 'all'")
         self.producer = Producer(client_conf(cfg, "feed", self.fc.name, kind="producer"))
         timeout = cfg.kafka.request_timeout_s
         self.partitions = len(self.startup_call(lambda: self.producer.partitions(self.topic, timeout), self.topic))
@@ -120,7 +134,7 @@ class Feed(Worker):
                 f"{self.sha[:12]}); use a new topic prefix or feed.name"
             )
         self.start_g = self.next_g = state["next_group_seq"] if state else 0
-        self.sent = scan_sent(cfg, self.fc.name, state["offsets"] if state else {})
+        self.sent = scan_sent(cfg, self.fc.name, state["offsets"] if state else {}, self.sft)
         # limit is a total over every run of this feed (group_seq < limit), so a feed restarted by a
         # supervisor, or a re-run job, never publishes more than an uninterrupted run would
         self.end = total if not self.fc.limit else min(total, self.fc.limit)
@@ -148,7 +162,7 @@ class Feed(Worker):
                 return True
         todo = []
         for rec, part in self.messages(g):
-            if (g, rec["sample_start"]) in self.sent:
+            if (g, 0 if self.sft else rec["sample_start"]) in self.sent:
                 self.stats["skipped_messages"] += 1
             else:
                 todo.append((rec, part))
@@ -160,7 +174,11 @@ class Feed(Worker):
             if self.pacer is not None:
                 kw["on_delivery"] = self.pacer.on_delivery
                 self.pacer.sent(part)
-            self.producer.produce_record(self.topic, "Prompt", rec, key=rec["group_id"].encode(), **kw)
+            if self.sft:
+                key = rec["trajectory"]["group_id"].encode()
+                self.producer.produce_record(self.topic, "ScoredTrajectory", rec, key=key, **kw)
+            else:
+                self.producer.produce_record(self.topic, "Prompt", rec, key=rec["group_id"].encode(), **kw)
             self.stats["messages"] += 1
         self.stats["groups"] += 1
         self.next_g = g + 1
@@ -199,6 +217,8 @@ class Feed(Worker):
         n_rec = len(self.records)
         epoch, i = divmod(g, n_rec)
         r = self.records[self.order(epoch)[i]]
+        if self.sft:
+            return [(scored_record(r, g, epoch, r["_rendered"], self.fc.name), None)]
         n = r["n"] or self.cfg.rl.group_size
         group_id = f"{r['prompt_id']}@e{epoch}"
         parts = split_group(n, self.cfg.rl.replicate)

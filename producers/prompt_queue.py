@@ -3,7 +3,7 @@ partition, bounded by ``rollout.queue_samples``.
 
 Why a queue and not pausing: librdkafka drops a paused partition's fetched messages and a resume
 waits for a new fetch, so a worker that paused whenever it was full kept its slots waiting on the
-broker (docs/benchmarks.md). The worker pauses only a partition whose share of the queue is full;
+broker (docs/results/performance.md). The worker pauses only a partition whose share of the queue is full;
 a partition with nothing queued always takes a message, so inadmissible groups queued from one
 partition never keep another partition's admissible ones out. Admission takes the oldest
 admissible group at the heads, since an old group that waits holds the trainer back and grows

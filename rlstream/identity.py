@@ -70,7 +70,7 @@ CLASSES: dict[str, str] = {
     "feed.source": LEARNED, "feed.format": LEARNED, "feed.limit": LEARNED, "feed.shuffle_seed": LEARNED,
     "feed.default_task": LEARNED, "feed.id_field": LEARNED, "feed.messages_field": LEARNED,
     "feed.prompt_field": LEARNED, "feed.reference_field": LEARNED, "feed.task_field": LEARNED,
-    "feed.name": LEARNED,
+    "feed.name": LEARNED, "feed.mode": LEARNED,
     "rl.group_size": LEARNED, "rl.groups_per_step": LEARNED, "rl.max_staleness": LEARNED,
     "rl.staleness_rule": LEARNED,
     "reward.tasks": LEARNED, "reward.default": LEARNED,

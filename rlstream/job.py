@@ -362,8 +362,8 @@ def run_job(
             "steps_requested": cfg.trainer.max_steps,
             "bootstrap": cfg.kafka.bootstrap_servers,
             "topic_prefix": cfg.topics.prefix,
-            "rollout_workers": j.rollout_workers,
-            "reward_workers": j.reward_workers,
+            "rollout_workers": 0 if cfg.feed.mode == "sft" else j.rollout_workers,  # an SFT job runs none
+            "reward_workers": 0 if cfg.feed.mode == "sft" else j.reward_workers,
             "metrics_ports": {r.name: r.metrics_port for r in roles if r.metrics_port},
             "title": f"{j.name}, k = {cfg.rl.max_staleness}"
             + (f" (forked from {forked_from['job']} v{forked_from['version']})" if forked_from else ""),

@@ -19,6 +19,8 @@ and the fix, instead of roles restarted in a loop over a mistake no restart can 
 * **chat template against the datasets**: prompts that ``rollout.chat_template`` renders with the
   tokenizer's chat template need one (the first such prompt is rendered), and ``never`` cannot
   take a chat record without prompt text.
+* **demonstrations** (``feed.mode = "sft"``): every conversation renders as the feed will render
+  it (``producers.sft``).
 
 ``rlstream.job.checked_start`` is the order every job run follows: these checks, then the cluster (the local
 broker started if none is configured) and that it answers, and only then the generated data
@@ -50,6 +52,8 @@ def check(cfg, data: dict[Path, str] | None = None) -> None:
     plugins(cfg)
     tok = tokenizer(cfg)
     chat_template(cfg, tok, sets)
+    if cfg.feed.mode == "sft":
+        demonstrations(cfg, tok, data or {})
     log.info("checks before start passed in %.1f s", time.monotonic() - t0)
 
 
@@ -238,6 +242,22 @@ def chat_template(cfg, tok, sets: list[tuple[str, Path, list[dict]]]) -> None:
             render(records[first], tok, rc.system_prompt, rc.add_generation_prompt)
         except InvalidRecord as exc:
             raise ConfigError(f"{key} {path} record {first}: {exc.reason}") from exc
+
+
+def demonstrations(cfg, tok, data: dict[Path, str]) -> None:
+    """``feed.mode = "sft"``: every conversation renders as a demonstration (``producers.sft``)."""
+    from producers.sft import render_all
+
+    if isinstance(tok, CharTokenizerCheck):
+        tok = tok._build(tok._model.charset, tok._model.chat_template)
+    path = Path(cfg.feed.source)
+    if path in data:
+        rows = [json.loads(line) for line in data[path].splitlines() if line.strip()]
+    else:
+        from libs.datasets import read_raw
+
+        rows = read_raw(path, cfg.feed.format)
+    render_all(cfg, rows, tok, f"feed.source {path}")
 
 
 def _template_hint(cfg) -> str:

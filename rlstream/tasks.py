@@ -16,6 +16,10 @@ tests run without downloading anything.
   scored by the ``reasoning_gym`` reward with the dataset's own ``score_answer``. The held-out split
   comes from another seed, and no held-out question is also a training question.
 
+* ``tool_use``: demonstrations for a supervised stage: reasoning-gym arithmetic (sums and products of
+  multi-digit numbers) answered by calling the calculator tool (``feed.mode = "sft"``); its held-out
+  split holds the prompts only.
+
 A job names one with ``[job.dataset] generator = "arithmetic"`` (its options beside it); the file is
 written into the run directory and fed like any dataset. What this is not: a benchmark suite.
 """
@@ -156,6 +160,73 @@ def reasoning_gym(
     return {"train": train, "eval": held}
 
 
+TOOL_USE_CONFIG = {"min_terms": 2, "max_terms": 4, "min_digits": 2, "max_digits": 3, "operators": ["+", "-", "*"]}
+"""The ``tool_use`` generator's default basic_arithmetic options: multi-digit sums and products."""
+
+
+def tool_use(
+    dataset: str = "basic_arithmetic",
+    config: dict | None = None,
+    size: int = 500,
+    eval_size: int = 100,
+    seed: int = 0,
+    eval_seed: int = 1_000_003,
+    answer_format: str = "boxed",
+    two_calls: float = 0.25,
+    system_prompt: str | None = None,
+    task: str = "reasoning_gym",
+) -> dict[str, list[dict]]:
+    """Demonstrations of calculator use for a supervised stage (``feed.mode = "sft"``): the
+    ``reasoning_gym`` generator's records (no worked example) of an arithmetic dataset whose entries
+    carry their ``expression`` (``basic_arithmetic``, ``chain_sum``), each training record followed
+    by the assistant calling ``calculator`` with the expression (OpenAI ``tool_calls``), the tool's
+    result, and the answer in ``answer_format``. A share ``two_calls`` of them computes the left
+    operand of the top-level operation first, then the rest with its result. The held-out split
+    (``eval_seed``, no training question in it) holds the prompts only, as RL and eval see them.
+    Run the job's task in the ``tools`` environment with the ``calculator`` tool, so the feed
+    renders the tools as a live episode shows them."""
+    import ast
+
+    from libs.rewards.reasoning_gym import format_answer
+    from libs.tools.builtin import calculator
+
+    config = dict(TOOL_USE_CONFIG if config is None and dataset == "basic_arithmetic" else config or {})
+    out = reasoning_gym(dataset, config, size, eval_size, seed, eval_seed, answer_format, system_prompt, False, task)
+    rng = random.Random(seed)
+    symbols = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+    def call(i: int, expression: str) -> list[dict]:
+        cid = f"call_{i}"
+        args = json.dumps({"expression": expression})
+        return [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": cid, "type": "function", "function": {"name": "calculator", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": cid, "name": "calculator", "content": calculator(expression)},
+        ]  # fmt: skip
+
+    train = []
+    for r in out["train"]:
+        entry = r["reference"]["reasoning_gym"]["entry"]
+        expr = (entry.get("metadata") or {}).get("expression")
+        if not expr:
+            raise ValueError(f"tool_use: reasoning-gym {dataset} entries carry no expression")
+        body = ast.parse(expr, mode="eval").body
+        split = isinstance(body, ast.BinOp) and type(body.op) in symbols and isinstance(body.left, ast.BinOp)
+        if split and rng.random() < two_calls:
+            left = ast.unparse(body.left)
+            right = ast.unparse(body.right)
+            right = f"({right})" if isinstance(body.right, ast.BinOp) else right
+            turns = call(0, left)
+            turns += call(1, f"{turns[-1]['content']} {symbols[type(body.op)]} {right}")
+        else:
+            turns = call(0, expr)
+        if turns[-1]["content"] != str(entry["answer"]):
+            continue  # the calculator disagrees with the dataset (e.g. a rounded division): no demonstration
+        final = f"The answer is {format_answer(str(entry['answer']), answer_format)}."
+        train.append({**r, "messages": [*r["messages"], *turns, {"role": "assistant", "content": final}]})
+    return {"train": train, "eval": out["eval"]}
+
+
 def _rg_entries(rg, dataset: str, config: dict, size: int, seed: int) -> list[dict]:
     try:
         return list(rg.create_dataset(dataset, size=size, seed=seed, **config))
@@ -169,6 +240,7 @@ GENERATORS = {
     "guess_number": guess_number,
     "textarena": textarena,
     "reasoning_gym": reasoning_gym,
+    "tool_use": tool_use,
 }
 
 

@@ -166,7 +166,9 @@ def test_loss_registry_builtins_and_unknown_names():
     assert isinstance(losses.build_loss(loss_config(type="cispo")), losses.CISPO)
     assert losses.LossFn(loss_config(type="decoupled_ppo")).needs_prox_logp
     assert not losses.LossFn(loss_config()).needs_prox_logp
-    with pytest.raises(ConfigError, match="unknown loss 'nope'; built-ins: cispo, decoupled_ppo, gspo, ppo_clip, sft, tis"):
+    with pytest.raises(
+        ConfigError, match="unknown loss 'nope'; built-ins: cispo, decoupled_ppo, gspo, ppo_clip, sft, tis"
+    ):
         losses.LOSSES.get("nope")
     with pytest.raises(ConfigError, match="has no attribute Missing"):
         losses.build_loss(loss_config(type=f"{HERE}:Missing"))

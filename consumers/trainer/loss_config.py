@@ -35,7 +35,7 @@ from pipeline.plugins import is_dotted
 
 
 class _AdvantageBase(StrictModel):
-    """How a group's rewards become per-sample advantages (docs/losses.md)."""
+    """How a group's rewards become per-sample advantages (docs/reference/losses.md)."""
 
     estimator: str
     """grpo: (r - mean)/(std + eps); dr_grpo: r - mean; rloo: r - mean of the others; or a user
@@ -83,12 +83,13 @@ class PluginAdvantageConfig(_AdvantageBase):
 
 
 class _LossBase(StrictModel):
-    """The policy loss (docs/losses.md has every formula) and what every loss shares: the
+    """The policy loss (docs/reference/losses.md has every formula) and what every loss shares: the
     aggregation, the KL penalty and the entropy bonus. ``ratio`` is pi_theta / pi_behaviour."""
 
     type: str
     """ppo_clip, tis (truncated importance sampling), decoupled_ppo (AReaL), cispo (MiniMax-M1),
-    gspo (Qwen's group sequence policy optimisation), or a user loss ``package.module:Name`` (a
+    gspo (Qwen's group sequence policy optimisation), sft (supervised: token NLL of
+    demonstrations), or a user loss ``package.module:Name`` (a
     ``losses.Loss`` subclass or a function)."""
     entropy_coef: float = Field(0.0, ge=0, le=1.0)
     """Entropy bonus: every trained token adds ``-entropy_coef * H(pi_theta(.|context))`` (full
@@ -96,7 +97,7 @@ class _LossBase(StrictModel):
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    """How token losses of one optimizer step become a scalar (docs/losses.md)."""
+    """How token losses of one optimizer step become a scalar (docs/reference/losses.md)."""
     norm_tokens: int | None = Field(None, ge=1)
     """seq-mean-token-sum-norm: the constant token count L (Dr. GRPO); None: the longest response of the step."""
     kl_coef: float = Field(0.0, ge=0)
@@ -158,9 +159,17 @@ class GSPOLossConfig(_LossBase):
     ``aggregation = "seq-mean-token-mean"`` to get the paper's objective exactly."""
 
 
+class SFTLossConfig(_LossBase):
+    """Supervised fine-tuning: the negative log-likelihood of the trained tokens (a demonstration's
+    assistant tokens; ``feed.mode = "sft"``), advantages and behaviour logprobs ignored. With
+    ``aggregation = "token-mean"`` the step loss is the mean NLL per assistant token."""
+
+    type: Literal["sft"] = "sft"
+
+
 LOSS_CONFIGS = {
     m.model_fields["type"].default: m
-    for m in (PPOClipLossConfig, TISLossConfig, DecoupledPPOLossConfig, CISPOLossConfig, GSPOLossConfig)
+    for m in (PPOClipLossConfig, TISLossConfig, DecoupledPPOLossConfig, CISPOLossConfig, GSPOLossConfig, SFTLossConfig)
 }
 
 

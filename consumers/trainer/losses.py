@@ -1,7 +1,7 @@
 """Policy losses on per-token logprobs, and the step loss of a micro-batch.
 
 Per token, with ``A`` the sample's advantage, ``mu`` the behaviour logprob (from the rollout
-engine), ``logp`` the current policy's and ``sg`` stop-gradient (docs/losses.md):
+engine), ``logp`` the current policy's and ``sg`` stop-gradient (docs/reference/losses.md):
 
 * ``ppo_clip``: ``r = exp(logp - mu)``; ``l = -min(r A, clip(r, 1 - e_lo, 1 + e_hi) A)``.
 * ``tis``: ``l = -sg(min(exp(logp - mu), C)) * A * logp`` (truncated importance sampling).
@@ -13,6 +13,10 @@ engine), ``logp`` the current policy's and ``sg`` stop-gradient (docs/losses.md)
   trained tokens, clipped as a whole: ``l_it = -min(s_it A, clip(s_it, 1 - e_lo, 1 + e_hi) A)``
   with ``s_it = sg(s_i) * exp(logp - sg(logp))`` (value ``s_i``, gradient ``s_i * grad logp``):
   under ``seq-mean-token-mean`` aggregation this is GSPO's objective and gradient exactly.
+* ``sft`` (supervised fine-tuning): ``l = -logp``, the negative log-likelihood of the trained
+  tokens (a demonstration's assistant tokens, ``producers.sft``); advantages and behaviour
+  logprobs are ignored, so with ``aggregation = "token-mean"`` the step loss is the mean NLL per
+  assistant token.
 * KL penalty (``kl_coef = beta > 0``): ``l += beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3).
 * Entropy bonus (``entropy_coef = c > 0``): ``l -= c * H_t``, ``H_t`` the entropy of the policy's
   next-token distribution at position t (the engine computes it from the logits, with gradient).
@@ -178,6 +182,14 @@ class GSPO(Loss):
         return gspo(logp, old_logp, adv, mask, self.config.eps_low, self.config.eps_high, mb.segments)
 
 
+class SFT(Loss):
+    """Token NLL: ``-logp`` on the trained tokens (the token mask holds the assistant tokens only)."""
+
+    def __call__(self, logp, old_logp, adv, mb, **kw):
+        nll = -logp
+        return nll, {"nll": nll.detach()}
+
+
 LOSSES = Registry("loss", hint="package.module:Name (a consumers.trainer.losses.Loss subclass or a function)")
 """``[trainer.loss] type`` -> a ``Loss`` subclass (or a function); a dotted ``module:Name`` works too."""
 for _name, _cls in {
@@ -186,6 +198,7 @@ for _name, _cls in {
     "decoupled_ppo": DecoupledPPO,
     "cispo": CISPO,
     "gspo": GSPO,
+    "sft": SFT,
 }.items():
     LOSSES.register(_name, _cls)
 
