@@ -266,6 +266,13 @@ def launch_fork(job_file, sets: list[str], new: str, from_version: int | None, *
         return parent_model if from_parent else {"type": "pretrained", "path": str(run_dir / "base")}
 
     cfg, data = plan(job_file, sets, preset, new, flags, model=model)
+    from consumers.trainer.state import trainer_root
+
+    for what, mine, theirs in (("checkpoint_store", cfg.store, parent.store),
+                               ("trainer.checkpoint_dir", trainer_root(cfg), trainer_root(parent))):  # fmt: skip
+        if str(mine) == str(theirs):
+            raise ConfigError(f"--fork {new}: {what} {mine} is {parent.job.name}'s too (the job file sets it): give the "
+                              f"fork its own with -s {what}=...")  # fmt: skip
     record_job_dir(cfg, job_file)
     base = Path(cfg.run_dir) / "base"
     origin: dict = {}

@@ -228,3 +228,16 @@ def test_restart_deletes_the_job_then_trains_it_from_scratch(env, parent):
     assert [s["step"] for s in read_steps_log(run_dir / "trainer")] == [1, 2]
     run_cli(["jobs", "rm", name], env, timeout=300)
     assert not on_broker(env, f"{name}.") and not run_dir.exists() and not on_broker(env, f"{name}-", "groups")
+
+
+def test_a_fork_that_would_share_its_parents_checkpoint_store_is_refused(tmp_path):
+    from pipeline.errors import ConfigError
+    from rlstream.job import launch_fork
+
+    job = tmp_path / "j.toml"
+    job.write_text(
+        f'checkpoint_store = "{tmp_path / "store"}"\n[job]\nname = "j"\ndataset = {{ generator = "next_digit" }}\n'
+    )
+    with pytest.raises(ConfigError, match="checkpoint_store .* is j's too"):
+        launch_fork(job, [f"run_dir={tmp_path}"], "k", None)
+    assert not (tmp_path / "k").exists()
