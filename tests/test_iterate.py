@@ -238,6 +238,6 @@ def test_a_fork_that_would_share_its_parents_checkpoint_store_is_refused(tmp_pat
     job.write_text(
         f'checkpoint_store = "{tmp_path / "store"}"\n[job]\nname = "j"\ndataset = {{ generator = "next_digit" }}\n'
     )
-    with pytest.raises(ConfigError, match="checkpoint_store .* is j's too"):
+    with pytest.raises(ConfigError, match=r"checkpoint_store .* is j's too"):
         launch_fork(job, [f"run_dir={tmp_path}"], "k", None)
     assert not (tmp_path / "k").exists()
