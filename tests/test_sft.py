@@ -253,7 +253,10 @@ def test_an_sft_job_lowers_the_nll_publishes_versions_and_resumes_exactly(cli_en
     job = _sft_job(tmp_path, steps)
     run_dir = Path(cli_env["RLSTREAM_RUN_DIR"]) / "sft-tiny"
     out = open(tmp_path / "run.out", "w")
-    proc = subprocess.Popen([*rlstream_cmd(), "run", str(job), "--no-live"], env=cli_env, stdout=out, stderr=out)
+    # a second of sleep a step (the torch engine wrapped): the kill below lands mid-job however fast the machine
+    slow = 'trainer.engine={type = "tests.sleepy_engine:SleepyEngine", options = {sleep_s = 1}}'
+    proc = subprocess.Popen([*rlstream_cmd(), "run", str(job), "--no-live", "--set", slow], env=cli_env, stdout=out,
+                            stderr=out)  # fmt: skip
     killed = None
     try:
         deadline = time.monotonic() + 600
