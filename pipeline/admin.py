@@ -483,6 +483,15 @@ class Admin:
         log.info("set SCRAM credentials %s", kv(users=",".join(sorted(users)), mechanism=mechanism))
 
 
+def has_topic(cfg, topic: str) -> bool:
+    """Whether ``topic`` exists on the cluster of ``cfg`` (one bounded metadata request)."""
+    admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
+    try:
+        return topic in admin.list_topics()
+    finally:
+        admin.close()
+
+
 def ensure_topics(cfg, roles: list[str] | None = None) -> dict[str, str]:
     """Create the configured topics (all roles by default). ``cfg`` is the root Config."""
     specs = cfg.topics.specs()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import codec
-from pipeline.admin import Admin
+from pipeline.admin import Admin, has_topic
 from pipeline.config import dump_toml
 from pipeline.errors import ConfigError, DecodeError, JobChanged, NothingToTrain
 from pipeline.kafka import Consumer, Producer, client_conf
@@ -187,12 +187,8 @@ def read_file(run_dir: str | Path) -> dict | None:
 def read_kafka(cfg) -> dict | None:
     """The newest record on the job's record topic; None when the topic or a record is missing."""
     topic = cfg.topics.name("job")
-    admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
-    try:
-        if topic not in admin.list_topics():
-            return None
-    finally:
-        admin.close()
+    if not has_topic(cfg, topic):
+        return None
     with Consumer(client_conf(cfg, "job", kind="consumer")) as c:
         msgs = c.read_to_end(topic, timeout=cfg.kafka.request_timeout_s)
     newest = None

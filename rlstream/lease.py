@@ -51,7 +51,7 @@ from pathlib import Path
 from pydantic import Field
 
 from pipeline import codec
-from pipeline.admin import Admin
+from pipeline.admin import Admin, has_topic
 from pipeline.config import StrictModel
 from pipeline.control import now_ms
 from pipeline.errors import DecodeError, JobAlreadyRunning, KafkaClientError
@@ -167,12 +167,8 @@ def live_holder(cfg) -> dict | None:
     another host's lease), None when none does or the job has no lease topic. For listings and
     for refusing a launch before anything is claimed; the claim (``JobLease``) decides."""
     topic = cfg.topics.name("lease")
-    admin = Admin(client_conf(cfg, "admin"), cfg.kafka.request_timeout_s)
-    try:
-        if topic not in admin.list_topics():
-            return None
-    finally:
-        admin.close()
+    if not has_topic(cfg, topic):
+        return None
     records = []
     with Consumer(client_conf(cfg, "lease", kind="consumer")) as c:
         for m in c.read_to_end(topic, timeout=cfg.kafka.request_timeout_s, strict=False):
