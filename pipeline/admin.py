@@ -1,6 +1,8 @@
 """Admin helper (part of the Kafka wrapper, with ``pipeline.kafka``): create, describe and delete rlstream's topics; read offsets and group lag; grant and list ACLs; set SCRAM users.
 
-``create_topics`` is idempotent: an existing topic is left as is when it matches its spec, its
+Replication: a topic takes the cluster's by default (``replication``: ``min(3, brokers)``
+replicas, ``min.insync.replicas`` 2 at 3); an explicit replication factor above the broker count
+is refused in one line before anything is created. ``create_topics`` is idempotent: an existing topic is left as is when it matches its spec, its
 configs are brought in line when they differ, and a partition count below the spec is raised
 (Kafka cannot lower one, so a higher count is reported, not changed).
 
@@ -189,22 +191,22 @@ class Admin:
         return desc.coordinator.id
 
     def create_topics(
-        self, specs: dict[str, object], default_rf: int = 1, min_insync_replicas: int | None = None
+        self, specs: dict[str, object], default_rf: int | None = None, min_insync_replicas: int | None = None
     ) -> dict[str, str]:
         """Create ``{full_name: TopicSpec}`` (``default_rf``: where a spec has no replication
-        factor; ``min_insync_replicas``: ``topic_configs``). Returns ``{name: created|exists|updated}``."""
+        factor, None: the cluster's; ``min_insync_replicas``: ``topic_configs``, None: see
+        ``replication``). Returns ``{name: created|exists|updated}``. ConfigError (one line, nothing
+        created) if a topic to create asks for more replicas than the cluster has brokers."""
         existing = self.list_topics()
         result: dict[str, str] = {}
-        new = [
-            NewTopic(
-                name,
-                num_partitions=spec.partitions,
-                replication_factor=spec.replication_factor or default_rf,
-                config=topic_configs(spec, min_insync_replicas),
+        todo = {name: spec for name, spec in specs.items() if name not in existing}
+        brokers = self.broker_count() if todo else 0
+        new = []
+        for name, spec in todo.items():
+            rf, isr = replication(brokers, spec.replication_factor or default_rf, min_insync_replicas, name)
+            new.append(
+                NewTopic(name, num_partitions=spec.partitions, replication_factor=rf, config=topic_configs(spec, isr))
             )
-            for name, spec in specs.items()
-            if name not in existing
-        ]
         if new:
             futures = self._admin.create_topics(new, operation_timeout=self.timeout, request_timeout=self.timeout)
             for name, fut in futures.items():
@@ -481,6 +483,28 @@ class Admin:
                     f"cannot set the SCRAM credential of {user}: {exc.args[0]}", exc.args[0]
                 ) from exc
         log.info("set SCRAM credentials %s", kv(users=",".join(sorted(users)), mechanism=mechanism))
+
+
+def replication(brokers: int, rf: int | None, isr: int | None, topic: str = "topics") -> tuple[int, int | None]:
+    """(replication factor, min.insync.replicas) of a topic to create on a cluster of ``brokers``.
+    ``rf`` None: the cluster's, ``min(3, brokers)``; ``isr`` None: ``rf - 1`` from 3 replicas up
+    (one broker may be down without refusing a write or losing an acknowledged one), else the
+    broker's default. ConfigError if ``rf`` exceeds ``brokers`` or ``isr`` exceeds ``rf``."""
+    if rf is None:
+        rf = max(1, min(3, brokers))
+    elif rf > brokers:
+        raise ConfigError(
+            f"topics.replication_factor = {rf} for {topic}, but the cluster has {brokers} broker(s): lower it, "
+            "or leave it unset to take the cluster's"
+        )
+    if isr is None and rf >= 3:
+        isr = rf - 1
+    if isr is not None and isr > rf:
+        raise ConfigError(
+            f"topics.min_insync_replicas = {isr} for {topic}, but it has {rf} replica(s) on a cluster of {brokers} "
+            "broker(s): no acks=all write could succeed"
+        )
+    return rf, isr
 
 
 def has_topic(cfg, topic: str) -> bool:

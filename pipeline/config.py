@@ -33,7 +33,19 @@ from pipeline.errors import ConfigError
 
 ENV_PREFIX = "RLSTREAM_"
 NON_CONFIG_ENV = frozenset(
-    {"CONFIG", "HOME", "CACHE", "VENV", "KAFKA_POM", "QUIET", "TEST_SEED", "TEST_DOCKER", "TEST_FULL", "PARENT_PID"}
+    {
+        "CONFIG",
+        "HOME",
+        "CACHE",
+        "VENV",
+        "KAFKA_POM",
+        "QUIET",
+        "TEST_SEED",
+        "TEST_DOCKER",
+        "TEST_FULL",
+        "PARENT_PID",
+        "FORKSERVER_ASSUME_CUDA",
+    }
 )
 """``RLSTREAM_*`` environment variables that are not config keys (paths, test and setup switches)."""
 DEFAULT_HOME = Path(os.environ.get("RLSTREAM_HOME", Path.home() / ".rlstream"))
@@ -169,8 +181,9 @@ class TopicSpec(StrictModel):
 class TopicsConfig(StrictModel):
     prefix: str = Field("rl.", pattern=r"^[A-Za-z0-9._-]*$")
     """Prepended to every topic name; lets several runs share one cluster."""
-    replication_factor: int = Field(1, ge=1)
-    """Default replication factor (3 on a production cluster)."""
+    replication_factor: int | None = Field(None, ge=1)
+    """Default replication factor. None: the cluster's, min(3, brokers) (with min_insync_replicas 2
+    at 3 replicas); a value above the broker count is refused before any topic is created."""
     min_insync_replicas: int | None = Field(None, ge=1)
     """``min.insync.replicas`` of every topic: how many replicas (leader included) must hold a
     record before an ``acks=all`` write (every rlstream producer's) succeeds. None: the broker's
@@ -214,7 +227,7 @@ class TopicsConfig(StrictModel):
             raise ValueError("topics.lease.partitions must be 1 (claims are ordered by their offsets)")
         if self.job.partitions != 1:
             raise ValueError("topics.job.partitions must be 1 (the newest record is the job's)")
-        if (self.min_insync_replicas or 0) > self.replication_factor:
+        if self.replication_factor is not None and (self.min_insync_replicas or 0) > self.replication_factor:
             raise ValueError(
                 f"topics.min_insync_replicas ({self.min_insync_replicas}) must not exceed topics.replication_factor "
                 f"({self.replication_factor}): no acks=all write could succeed"

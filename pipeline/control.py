@@ -122,12 +122,16 @@ class ControlFollower:
     """Follows the control topic. ``poll`` returns new ``(name, record)`` pairs in order;
     ``latest_update`` is the newest WeightUpdate accepted (by version); ``consumed_groups(v)`` the
     newest consumed-group count known for version ``v`` (admission). Undecodable records are
-    logged and skipped (the control topic is written only by rlstream).
+    logged and skipped (the control topic is written only by rlstream). A Command (the trainer's
+    progress, the feed's resume state, any other) is kept in ``commands`` and acted on only if it
+    passes the same authentication as a notice; one that fails is skipped, dead-lettered, and
+    warned about once per command name (``refused_commands`` counts them).
 
     A notice is checked before it is accepted (``notice_problem``): it must be signed by the job's
     notice key and not by a replaced trainer (``pipeline.notice_auth``: ``unsigned_notice``,
     ``bad_signature``, ``stale_writer_epoch``; unsigned ones pass only while the store has no key,
-    a job of an older rlstream), and its version must follow the
+    a job of an older rlstream), it must name a checkpoint and its sha256 (``missing_uri``,
+    ``missing_sha256``), and its version must follow the
     newest accepted by at most ``trainer.publish_every`` (the trainer publishes its versions in
     order on a one-partition topic, every ``publish_every`` steps), or re-publish one; ``writer``
     (a trainer following its own notices) accepts only notices that carry that ``trainer_id``.
@@ -140,10 +144,11 @@ class ControlFollower:
         self.max_jump = cfg.trainer.publish_every
         """How far past the newest version a notice may be (the trainer's publishing interval)."""
         self.topic = cfg.topics.name("control")
-        self.consumer = Consumer(client_conf(cfg, f"{role}-control", worker_id, kind="consumer"))
-        self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
         self.auth = NoticeVerifier(cfg.store)
         """Who wrote a notice: the job's key and the newest writer epoch accepted."""
+        self.auth.check()  # a key that is there but unreadable: refused at start, in one line
+        self.consumer = Consumer(client_conf(cfg, f"{role}-control", worker_id, kind="consumer"))
+        self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
         self.latest_update: dict | None = None
         self.accepted: list[tuple[dict, object]] = []
         """Accepted notices not rejected since, in arrival order, with their messages (newest few)."""
@@ -157,6 +162,9 @@ class ControlFollower:
         self.progress_seen = 0
         """Counts changes of ``consumed`` (a caller re-checks admission when it moves)."""
         self.dead_lettered = 0
+        self.refused_commands = 0
+        """Commands skipped because they failed authentication (also in ``dead_lettered``)."""
+        self._warned: set[tuple[str, str]] = set()
         self._producer = None
 
     def poll(self, timeout: float = 0.0, max_records: int = 100) -> list[tuple[str, dict]]:
@@ -176,10 +184,12 @@ class ControlFollower:
                     continue
                 self._accept(rec, msg)
             elif name == "Command":
+                progress = rec["name"] == PROGRESS_COMMAND
+                if (problem := self.auth.problem(rec, writer_epoch=progress)) is not None:
+                    self._refuse_command(msg, rec, *problem)
+                    continue
                 self.commands.append(rec)
-                if rec["name"] == PROGRESS_COMMAND and (problem := self.auth.problem(rec)) is not None:
-                    self._dead_letter(msg, {"version": rec["args"].get("version", "?")}, *problem)
-                elif rec["name"] == PROGRESS_COMMAND:
+                if progress:
                     self.auth.note(rec)
                     try:
                         self._note_consumed(int(rec["args"]["version"]), int(rec["args"]["consumed_groups"]))
@@ -199,6 +209,8 @@ class ControlFollower:
             return "foreign_writer", f"notice v{v} written by {who!r}, not by this trainer ({self.writer!r})"
         if not rec["uri"]:
             return "missing_uri", f"notice v{v} names no checkpoint"
+        if not rec.get("sha256"):  # the trainer always states it: without it nothing would be verified
+            return "missing_sha256", f"notice v{v} states no sha256, so its checkpoint cannot be verified"
         first = not self.accepted and self.newest == 0
         if first and self.trust_first and v > 0:
             return None
@@ -240,9 +252,23 @@ class ControlFollower:
         self._settle()
         self._dead_letter(msg, rec, error_type, reason)
 
-    def _dead_letter(self, msg, rec: dict, error_type: str, reason: str) -> None:
+    def _refuse_command(self, msg, rec: dict, error_type: str, reason: str) -> None:
+        """Skip a Command that fails authentication (forged, altered, or unsigned in a signed job):
+        nothing acts on it; dead-lettered, and warned about once per command name and error."""
+        self.refused_commands += 1
+        what = (rec["name"], error_type)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(
+                "ignoring control commands that fail authentication (further ones counted, not logged) %s",
+                kv(command=rec["name"], issued_by=rec.get("issued_by", ""), error=error_type, reason=reason),
+            )
+        self._dead_letter(msg, {"version": rec["args"].get("version", "?")}, error_type, reason, quiet=True)
+
+    def _dead_letter(self, msg, rec: dict, error_type: str, reason: str, quiet: bool = False) -> None:
         self.dead_lettered += 1
-        log.error("dead-lettered weight notice %s", kv(version=rec["version"], error=error_type, reason=reason))
+        if not quiet:
+            log.error("dead-lettered weight notice %s", kv(version=rec["version"], error=error_type, reason=reason))
         if msg is None:
             return
         try:

@@ -10,8 +10,10 @@ persists at each start, ``<store>/notice/epoch``) and ``rlstream.sig``, an HMAC-
 key over the canonical form of every field (``canonical``: version, uri, sha256, bytes, step,
 created_at_ms, format, trainer_id, kind, the adapter fields, base_sha256, consumed_groups and the
 metadata but the signature itself). No Avro schema change: ``metadata`` is a string map. The
-trainer's progress Commands (``groups_consumed``: admission) carry the same two entries in their
-``args`` (``command_canonical``: name, issuer, time and arguments).
+trainer's progress Commands (``groups_consumed``: admission) and the feed's resume state
+(``feed_state``, signed with writer epoch 0 by the feed once the job has a key)
+carry the same two entries in their ``args`` (``command_canonical``: name, issuer, time and
+arguments). A reader acts on no Command that fails these checks.
 
 Readers (``NoticeVerifier``, used by ``pipeline.control.ControlFollower`` and the tools that list
 versions) refuse, with a reason:
@@ -23,6 +25,10 @@ versions) refuse, with a reason:
 * ``unverifiable_signature``: signed, but the key cannot be read (the store is not reachable or
   not readable by this reader: tried ``KEY_TRIES`` times, ``KEY_RETRY_S`` (times the try) apart,
   the first time; later notices are checked without waiting).
+
+A key that is there but cannot be read (not a missing one) is an error at a reader's start
+(``NoticeVerifier.check``: one line, the role exits) and, later, a refusal of every notice,
+unsigned ones included, until it can be read again.
 
 Compatibility: while the store has no key (a job started by an older rlstream, whose trainer then
 keeps publishing unsigned notices), unsigned notices are accepted with one warning per reader.
@@ -105,6 +111,11 @@ def _is_command(rec: dict) -> bool:
 def _attrs(rec: dict) -> dict:
     """Where a record carries its epoch and signature: a notice's ``metadata``, a Command's ``args``."""
     return (rec.get("args") if _is_command(rec) else rec.get("metadata")) or {}
+
+
+def _what(rec: dict) -> str:
+    """How a message names a record: ``notice v3``, ``command feed_state``."""
+    return f"command {rec['name']}" if _is_command(rec) else f"notice v{rec['version']}"
 
 
 def signature(key: bytes, rec: dict) -> str:
@@ -194,6 +205,20 @@ class NoticeVerifier:
         """The newest writer epoch accepted."""
         self._patient = True  # the first signed notice without a readable key waits for it
         self._warned = False
+        self.unreadable: OSError | None = None
+        """The last error reading a key that is there (an unsigned notice is then refused, not let through)."""
+
+    def check(self) -> None:
+        """At a reader's start: RlstreamError (one line) if the job's key is there but cannot be read,
+        or is damaged. Absent is fine (a job of an older rlstream, or the trainer creates it soon)."""
+        uri = notice_key_uri(self.store)
+        try:
+            self.key = load_key(self.store)
+        except OSError as exc:
+            raise RlstreamError(
+                f"cannot read the notice key {uri} ({exc.__class__.__name__}: {exc}): weight notices cannot be "
+                "verified; make the checkpoint store readable to this role"
+            ) from exc
 
     def _load(self, patient: bool) -> bytes | None:
         tries = self.tries if patient and self._patient else 1
@@ -202,7 +227,9 @@ class NoticeVerifier:
                 time.sleep(self.retry_s * i)
             try:
                 self.key = load_key(self.store)
-            except OSError as exc:  # unreachable or unreadable: a signed notice is refused below
+                self.unreadable = None
+            except OSError as exc:  # unreachable or unreadable: every notice is refused below
+                self.unreadable = exc
                 log.warning("cannot read the notice key %s", kv(uri=notice_key_uri(self.store), error=exc))
             if self.key is not None:
                 return self.key
@@ -210,15 +237,22 @@ class NoticeVerifier:
             self._patient = False
         return None
 
-    def problem(self, rec: dict) -> tuple[str, str] | None:
-        """For a WeightUpdate, or a Command (a progress record: checked without waiting for the key)."""
+    def problem(self, rec: dict, writer_epoch: bool = True) -> tuple[str, str] | None:
+        """For a WeightUpdate, or a Command (checked without waiting for the key). ``writer_epoch``:
+        refuse a record of an epoch older than one accepted (the trainer's records; a feed's state
+        is signed with epoch 0 and not ordered against the trainer's)."""
         command = _is_command(rec)
-        v, signed = rec["args"].get("version", "?") if command else rec["version"], is_signed(rec)
+        signed = is_signed(rec)
         key = self.key or self._load(patient=signed and not command)
         uri = notice_key_uri(self.store)
         if key is None:
             if signed:
-                return "unverifiable_signature", f"notice v{v} is signed but the notice key {uri} cannot be read"
+                return "unverifiable_signature", f"{_what(rec)} is signed but the notice key {uri} cannot be read"
+            if self.unreadable is not None:  # there may well be a key: an unsigned record is not let through
+                return (
+                    "unverifiable_signature",
+                    f"{_what(rec)} carries no signature and the notice key {uri} cannot be read ({self.unreadable})",
+                )
             if not self._warned:
                 self._warned = True
                 log.log(
@@ -228,14 +262,14 @@ class NoticeVerifier:
                 )
             return None
         if not signed:
-            return "unsigned_notice", f"notice v{v} carries no signature, and this job's notices are signed ({uri})"
+            return "unsigned_notice", f"{_what(rec)} carries no signature, and this job's notices are signed ({uri})"
         epoch = epoch_of(rec)
         if epoch is None or not hmac.compare_digest(_attrs(rec)[SIG_KEY], signature(key, rec)):
-            return "bad_signature", f"notice v{v}'s signature does not match its fields under the key {uri}"
-        if epoch < self.epoch:
+            return "bad_signature", f"{_what(rec)}: the signature does not match its fields under the key {uri}"
+        if writer_epoch and epoch < self.epoch:
             return (
                 "stale_writer_epoch",
-                f"notice v{v} is of writer epoch {epoch}, older than epoch {self.epoch} already accepted "
+                f"{_what(rec)} is of writer epoch {epoch}, older than epoch {self.epoch} already accepted "
                 "(a trainer that was replaced)",
             )
         return None

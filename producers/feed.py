@@ -13,7 +13,8 @@ keyed (and partitioned) by group_id.
 Resume, exactly: every ``checkpoint_every`` groups and at the end, the feed flushes (all sent
 messages acknowledged), then writes a feed-state record to rl.control (a ``Command`` named
 ``feed_state`` keyed ``feed/<name>``) holding the next group_seq, the dataset hash and the
-prompts topic's end offsets. A restarted feed reads the newest state, then reads rl.prompts from
+prompts topic's end offsets, signed with the job's notice key (``pipeline.notice_auth``: once the
+job has a key, a forged or unsigned state is ignored, and the feed then scans the whole topic). A restarted feed reads the newest state, then reads rl.prompts from
 those offsets to the end and skips every (group_seq, sample_start) already there, so messages
 sent after the last state record are not sent twice and none is lost. A changed dataset is an
 error (group numbering would no longer mean the same prompts). ``feed.limit`` counts from group 0
@@ -42,6 +43,7 @@ from pipeline.control import ControlFollower, now_ms
 from pipeline.errors import ConfigError, DecodeError
 from pipeline.kafka import Consumer, Producer, client_conf, decode_message
 from pipeline.log import kv
+from pipeline.notice_auth import NoticeVerifier, load_key, sign
 from pipeline.worker import Worker
 from producers.pacing import Pacer
 from producers.sft import load_sft, scored_record
@@ -123,6 +125,12 @@ class Feed(Worker):
         self.sha = dataset_hash([{k: v for k, v in r.items() if k != "_rendered"} for r in self.records])
         if self.sft and self.fc.dispatch == "paced":
             raise ConfigError("feed.mode = 'sft' writes to rl.scored: feed.dispatch must be 'all'")
+        # the job's notice key (``rlstream run`` creates it before any role starts, a fresh trainer
+        # at its start): the feed signs its resume state with it, so a record forged on rl.control
+        # cannot move where the feed resumes. A job without one (of an older rlstream) stays unsigned.
+        verifier = NoticeVerifier(cfg.store)
+        verifier.check()  # a key that is there but unreadable: one line, at start
+        self.key = verifier.key
         self.producer = Producer(client_conf(cfg, "feed", self.fc.name, kind="producer"))
         timeout = cfg.kafka.request_timeout_s
         self.partitions = len(self.startup_call(lambda: self.producer.partitions(self.topic, timeout), self.topic))
@@ -262,6 +270,10 @@ class Feed(Worker):
                 "offsets": json.dumps(offsets),
             }
             rec = {"name": STATE_COMMAND, "args": args, "issued_by": f"feed/{self.fc.name}", "created_at_ms": now_ms()}
+            if self.key is None:  # the job has no key yet: look again (a trainer may have made it)
+                self.key = load_key(self.cfg.store)
+            if self.key is not None:  # readers then act only on a state signed with the job's key
+                rec = sign(rec, self.key, 0)
             self.producer.produce_record(self.cfg.topics.name("control"), "Command", rec, key=f"feed/{self.fc.name}")
             self.producer.flush_patiently(self.liveness.outage_s, "feed state")
         log.info("feed state %s", kv(feed=self.fc.name, next_group_seq=next_g))

@@ -7,11 +7,14 @@ The background part is the engine's ``prepare_weights``: for a sharded checkpoin
 notice's sha256 covers, and stages each as soon as it is verified (``pipeline.checkpoint``). The
 generation pause is ``load`` alone (``swap ms``), which an engine keeps to a swap where it can.
 
-A notice whose checkpoint cannot be fetched or verified (missing, unreadable, sha256 mismatch) is
-tried ``FETCH_TRIES`` times, ``RETRY_S`` (times the try) apart, even if a newer notice came
-meanwhile (a checkpoint may still be landing; the bound is a few seconds), then
-dead-lettered with its reason (``ControlFollower.reject``) and skipped: the worker keeps
-generating on the weights it has and loads the next good notice. Notices that are not plausible
+A notice whose checkpoint is **unavailable** (missing or unreadable: the store is slow to show it,
+or away for a while) is retried with backoff (``RETRY_S`` doubling up to ``RETRY_MAX_S``), each
+failure said in the log (``weights v7 unavailable at <uri> (retrying, 3 tries)``), for as long as
+the version can still be used: until a newer notice (or another of the same version) supersedes
+it; it is then dead-lettered with its reason (``ControlFollower.reject``) and the newer one is
+fetched. A checkpoint that is there but **wrong** (sha256 mismatch, not a checkpoint) is tried
+``FETCH_TRIES`` times, then dead-lettered and skipped at once. Meanwhile the worker keeps
+generating on the weights it has, within admission. Notices that are not plausible
 (a version that does not follow the newest, no uri) or not written by the job's trainer (unsigned,
 a bad signature, a replaced trainer's epoch: ``pipeline.notice_auth``) never get here
 (``pipeline.control``).
@@ -44,8 +47,11 @@ from pipeline.records import update_format, update_kind
 
 log = logging.getLogger(__name__)
 FETCH_TRIES = 3
+"""Tries of a checkpoint that is there but does not verify, before it is dead-lettered."""
 RETRY_S = 2.0
-"""Seconds between tries of one notice's fetch (times the try number)."""
+"""Seconds before the second try of one notice's fetch (doubling at each further try)."""
+RETRY_MAX_S = 30.0
+"""The longest wait between two tries of an unavailable checkpoint."""
 
 
 class WeightFormatError(RlstreamError):
@@ -91,7 +97,13 @@ class WeightSync:
         moved = bool(self.control.poll(0))
         self.control.commands.clear()  # feed states and operator commands: not the worker's business
         upd, tries = self.control.latest_update, 0
-        if self._retry is not None:  # a failed notice is retried to its bound even if a newer one came
+        if self._retry is not None and self._superseded(self._retry[0]):
+            old, _, tries = self._retry
+            self._retry = None
+            reason = f"weights v{old['version']} at {old['uri']!r} were unavailable ({tries} tries) and are superseded"
+            self.control.reject(old, "unverifiable_checkpoint", reason)
+            upd = self.control.latest_update
+        if self._retry is not None:  # a failed notice is retried while no newer one supersedes it
             if time.monotonic() < self._retry[1]:
                 upd = None
             else:
@@ -115,12 +127,28 @@ class WeightSync:
             moved = True
         return moved
 
+    def _superseded(self, upd: dict) -> bool:
+        """A newer notice, or another of the same version, was accepted after ``upd``."""
+        newest = self.control.latest_update
+        return newest is not None and newest is not upd and newest["version"] >= upd["version"]
+
     def _fetch_failed(self, upd: dict, tries: int, exc: Exception) -> None:
         self.fetch_failures += 1
         reason = (
             f"weights v{upd['version']} at {upd['uri']!r} could not be fetched or verified ({tries} tries): {exc!r}"
         )
-        if tries < FETCH_TRIES:
+        unavailable = isinstance(exc, OSError)  # missing or unreadable, not wrong: it may yet appear
+        if unavailable and not self._superseded(upd):
+            log.warning(
+                "weights v%s unavailable at %s (retrying, %d %s) %s",
+                upd["version"],
+                upd["uri"],
+                tries,
+                "try" if tries == 1 else "tries",
+                kv(error=exc),
+            )
+            self._retry = (upd, time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (tries - 1)), tries)
+        elif tries < FETCH_TRIES and not unavailable:
             log.warning("weight fetch failed, will retry %s", kv(version=upd["version"], tries=tries, error=exc))
             self._retry = (upd, time.monotonic() + RETRY_S * tries, tries)
         else:
@@ -143,7 +171,8 @@ class WeightSync:
         while (self._fetch is not None or self._retry is not None) and self.loadable is None:
             if time.monotonic() > deadline:
                 upd = (self._fetch or self._retry)[0]
-                raise TimeoutError(f"fetching weights v{upd['version']} took more than {timeout} s")
+                what = "unavailable at" if self._fetch is None else "still being fetched from"
+                raise TimeoutError(f"weights v{upd['version']} {what} {upd['uri']} after {timeout} s")
             self.poll()
             time.sleep(0.01)
 

@@ -141,6 +141,11 @@ def test_three_nodes_survive_a_killed_leader(tmp_path):
         admin = Admin(client_conf(cfg, "admin"))
         info = admin.describe([topic])[topic]
         assert info.replication_factor == 3 and info.configs["min.insync.replicas"] == "2"
+        # unset, a topic takes the cluster's replication: 3 nodes -> 3 replicas, 2 in sync
+        plain = load_config(None, [f"kafka.bootstrap_servers={state['bootstrap']}", "topics.prefix=plain."], environ={})
+        ensure_topics(plain, ["dlq"])
+        dflt = admin.describe([plain.topics.name("dlq")])[plain.topics.name("dlq")]
+        assert dflt.replication_factor == 3 and dflt.configs["min.insync.replicas"] == "2"
 
         producer = Producer(client_conf(cfg, "test", kind="producer"), transactional_id="cluster-test")
         producer.init_transactions(120)

@@ -10,6 +10,9 @@
   ``previous`` it holds the same record (offsets included) of each older checkpoint still kept
   (``trainer.keep_checkpoints``), oldest first. Only what it names exists; steps-log lines beyond
   its step belong to lost work and are cut on the next start.
+* ``checkpoint.json.prev``: the pointer before the current one, copied atomically before each
+  replace. A damaged pointer (not JSON, no tag) falls back to it with one loud warning, like a
+  damaged checkpoint: its checkpoint and offsets are used and the steps after it trained again.
 
 Start-up (``choose``) takes the newest checkpoint whose files all match their digests; a damaged
 or missing one is skipped with one loud warning, and the next older one is used with its own
@@ -38,6 +41,22 @@ from pipeline.pidlock import PidLock
 log = logging.getLogger(__name__)
 
 POINTER = "checkpoint.json"
+PREVIOUS_POINTER = "checkpoint.json.prev"
+FELL_BACK = "fell_back_from_damaged_pointer"
+"""Set in a pointer ``read_pointer`` returned from ``checkpoint.json.prev``: the newest version
+this trainer announced is unknown (at least the pointer's)."""
+
+
+def _parse_pointer(p: Path) -> dict:
+    try:
+        ptr = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # written atomically: not by a crash
+        raise CheckpointDamaged(f"trainer checkpoint pointer {p} is not valid JSON ({exc})") from None
+    if not isinstance(ptr, dict) or "tag" not in ptr:
+        raise CheckpointDamaged(f"trainer checkpoint pointer {p} names no checkpoint (no tag)")
+    return ptr
+
+
 STEPS_LOG = "steps.jsonl"
 
 
@@ -66,23 +85,38 @@ class TrainerCheckpoints:
     unlock = staticmethod(PidLock.unlock)
 
     def read_pointer(self) -> dict | None:
+        """The pointer; if it is damaged, the previous one (``checkpoint.json.prev``) with one loud
+        warning and ``FELL_BACK`` set in it (``CheckpointDamaged`` if that is missing or damaged too)."""
         p = self.root / POINTER
         if not p.is_file():
             return None
         try:
-            ptr = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # written atomically: not by a crash
-            raise CheckpointDamaged(f"trainer checkpoint pointer {p} is not valid JSON ({exc})") from None
-        if not isinstance(ptr, dict) or "tag" not in ptr:
-            raise CheckpointDamaged(f"trainer checkpoint pointer {p} names no checkpoint (no tag)")
-        return ptr
+            return _parse_pointer(p)
+        except CheckpointDamaged as exc:
+            damaged = str(exc)
+            prev = self.root / PREVIOUS_POINTER
+            if not prev.is_file():
+                raise
+            try:
+                ptr = _parse_pointer(prev)
+            except CheckpointDamaged as older:
+                raise CheckpointDamaged(f"{damaged}; the previous pointer too: {older}") from None
+        log.warning(
+            "TRAINER CHECKPOINT POINTER DAMAGED: %s; falling back to the previous pointer %s (step %d, version %d) "
+            "and its consumed offsets: the steps after it are trained again",
+            damaged,
+            prev,
+            ptr["step"],
+            ptr["version"],
+        )
+        return {**ptr, FELL_BACK: True}
 
     @staticmethod
     def history(ptr: dict | None) -> list[dict]:
         """The checkpoint records a pointer holds, newest first (each without ``previous``)."""
         if not ptr:
             return []
-        newest = {k: v for k, v in ptr.items() if k != "previous"}
+        newest = {k: v for k, v in ptr.items() if k not in ("previous", FELL_BACK)}
         return [newest, *reversed(ptr.get("previous") or [])]
 
     def digests(self, tag: str) -> dict[str, str]:
@@ -140,7 +174,16 @@ class TrainerCheckpoints:
         )
 
     def write_pointer(self, state: dict) -> None:
-        atomic_write_bytes(str(self.root / POINTER), json.dumps(state, sort_keys=True).encode())
+        """Keep the current pointer as ``checkpoint.json.prev`` (if it is intact), then replace it;
+        both writes atomic."""
+        p = self.root / POINTER
+        try:
+            _parse_pointer(p)
+            atomic_write_bytes(str(self.root / PREVIOUS_POINTER), p.read_bytes())
+        except (FileNotFoundError, CheckpointDamaged):  # none yet, or damaged: the older copy stays
+            pass
+        state = {k: v for k, v in state.items() if k != FELL_BACK}
+        atomic_write_bytes(str(p), json.dumps(state, sort_keys=True).encode())
 
     def new_tag(self, step: int) -> str:
         return f"step{step:08d}-{time.time_ns():x}"
@@ -218,12 +261,19 @@ def read_steps_log(root: Path) -> list[dict]:
     return out
 
 
+UNKNOWN_NEWEST = 2**62
+"""``restore``'s newest version after a pointer fallback: versions this trainer announced past the
+previous pointer's continue the numbering (the trainer announces a version only after its pointer)."""
+
+
 def restore(ckpts: TrainerCheckpoints, engine, rank: int, world: int) -> tuple[dict | None, list[dict], int]:
     """Load the newest valid checkpoint into ``engine`` (``TrainerCheckpoints.choose``: digests
     checked on rank 0, the choice broadcast; a single process also falls back when loading fails).
     Returns its record, the older records kept, and the newest record's version."""
     ptr = ckpts.read_pointer() if rank == 0 else None
     newest = int(ptr["version"]) if ptr else 0
+    if ptr and ptr.get(FELL_BACK):  # the damaged pointer's version is unknown: any this trainer announced
+        newest = UNKNOWN_NEWEST
 
     def load(entry: dict) -> str | None:  # several ranks: loaded below, on every rank together
         try:
