@@ -19,8 +19,11 @@ gets SIGTERM when the supervisor dies, so no child outlives the run). It then ru
 exits through the interpreter's normal shutdown.
 
 Nothing here is needed for correctness: any failure of the server (it cannot import, it is not
-single-threaded, it died, it did not answer in time) is logged and the supervisor falls back to
-plain processes. ``job.fork_server = false`` turns it off.
+single-threaded, it has initialised CUDA, it died, it did not answer in time) is logged in one
+warning line and the supervisor falls back to plain processes. CUDA: a child forked from a process
+that initialised CUDA cannot use the GPU, so the server refuses to say ready, or to fork, once CUDA
+is initialised in it (``rlstream.zygote.cuda_refusal``); from then on every role is a plain
+process. ``job.fork_server = false`` turns it off.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ ROLE_MODULES = [
 """What every job's roles import, in two stages (the model's own modeling module is added by the
 launcher)."""
 
+ASSUME_CUDA = "RLSTREAM_FORKSERVER_ASSUME_CUDA"
+"""Set to ``1`` (in the environment of the command that starts the job), the fork server acts as
+if CUDA were initialised in it: it refuses to fork, and every role is a plain process."""
+
 READY_TIMEOUT_S = 300.0  # the imports, on a loaded machine
 ANSWER_TIMEOUT_S = 30.0  # a fork request's answer (the server only forks and writes one line)
 
@@ -85,10 +92,15 @@ class ForkServer:
         self.first: dict | None = None
         """Its answer once the modules before ``THEN`` are (the roles in ``FIRST_COMMANDS`` fork then)."""
         self.usable = True
+        self.refused: str | None = None
+        """Why the server refused to fork (CUDA initialised in it): every later role is a plain
+        process, while the roles forked before keep their parent and their exit codes."""
         self.t0 = time.monotonic()
         fd, tmp = tempfile.mkstemp(prefix="rlstream-forkserver-", suffix=".log")
         os.unlink(tmp)  # nothing to clean up, whatever happens to this process
         self._out = fd
+        if ASSUME_CUDA in os.environ and ASSUME_CUDA not in env:  # (roles' environments drop RLSTREAM_*)
+            env = {**env, ASSUME_CUDA: os.environ[ASSUME_CUDA]}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlstream.zygote", *modules],
             stdin=subprocess.PIPE,
@@ -186,7 +198,7 @@ class ForkServer:
             log.info("another environment than the fork server's: a plain process %s", _kv(keys=",".join(keys)))
             return None
         early = bool(args) and args[0] in FIRST_COMMANDS
-        if not self.wait_ready(first=early):
+        if self.refused is not None or not self.wait_ready(first=early):
             return None
         # the server answers a request between two imports until it has them all
         answer_by = time.monotonic() + ANSWER_TIMEOUT_S
@@ -205,6 +217,10 @@ class ForkServer:
             self.close()
             return None
         reply = self._replies.pop(0)
+        if reply.get("refused"):
+            self.refused = reply.get("error") or reply["refused"]
+            log.warning("fork server refuses to fork; starting plain processes %s", _kv(why=self.refused))
+            return None
         if "pid" not in reply:
             log.warning("fork server could not fork %s", _kv(error=reply.get("error"), args=" ".join(args)))
             return None

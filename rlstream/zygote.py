@@ -1,7 +1,16 @@
 """The fork server's own process (``python -m rlstream.zygote <modules>``, started by
 ``rlstream.forkserver.ForkServer``): import the modules, say ``ready`` (refusing when the imports
-left a thread running), then fork one role per request and report each one's exit code. Nothing
-imports this module: it runs as ``__main__``, and only the forked child runs the CLI."""
+left a thread running or CUDA initialised), then fork one role per request and report each one's
+exit code. Nothing imports this module: it runs as ``__main__``, and only the forked child runs the
+CLI.
+
+CUDA: a child forked from a process that has initialised CUDA cannot use the GPU (the driver's state
+does not survive a fork). The server never initialises it itself (the modules it preloads make no
+``torch.cuda`` call at import time), and it checks before saying ``ready`` and before each fork:
+if CUDA is initialised it refuses, and the supervisor starts plain processes. The check asks
+``torch.cuda.is_initialized()`` only where torch is already imported (it never imports torch for
+it). ``RLSTREAM_FORKSERVER_ASSUME_CUDA=1`` in the server's environment makes the check find CUDA
+initialised (to see the fallback on a machine without a GPU)."""
 
 from __future__ import annotations
 
@@ -18,6 +27,20 @@ def _threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def cuda_refusal() -> str | None:
+    """Why forking is unsafe for a role that may use the GPU (CUDA is initialised here); None if it
+    is not (or torch was never imported: then nothing here initialised CUDA)."""
+    from rlstream.forkserver import ASSUME_CUDA
+
+    if os.environ.get(ASSUME_CUDA) == "1":
+        return f"CUDA is initialised in the fork server ({ASSUME_CUDA}=1): a forked role could not use the GPU"
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return "CUDA is initialised in the fork server: a forked role could not use the GPU"
+    return None
 
 
 def _say(msg: dict) -> None:
@@ -40,14 +63,15 @@ def _import(modules: list[str], failed: list[str]) -> None:
 def _ready(stage: str, t0: float, failed: list[str]) -> bool:
     """Say that ``stage`` is imported; False (and say why) when forking is no longer safe."""
     threads = _threads()
-    ok = threads == 1
+    why = f"{threads} threads after the imports: forking is unsafe" if threads != 1 else cuda_refusal()
+    ok = why is None
     if ok:
         import gc
 
         gc.freeze()  # the imported objects: never scanned by a child's collections, so their pages
         # stay shared instead of being copied when the collector touches them
     _say({"ready": stage, "ok": ok, "import_s": round(time.monotonic() - t0, 2), "failed": failed,
-          **({} if ok else {"why": f"{threads} threads after the imports: forking is unsafe"})})  # fmt: skip
+          **({} if ok else {"why": why})})  # fmt: skip
     return ok
 
 
@@ -93,6 +117,9 @@ class _Requests:
         for line in lines:
             req = json.loads(line)
             req["server_pid"] = os.getpid()  # (after a fork, getppid() is 1 once the server died)
+            if (why := cuda_refusal()) is not None:  # no fork; the supervisor starts a plain process
+                _say({"error": why, "refused": "cuda"})
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             try:

@@ -57,10 +57,10 @@ COUNTERS = ("live_phantom", "live_out_of_order", "live_scored_twice", "live_lost
 
 
 def digest(value: bytes | None) -> str:
-    """A record's value, as compared between the live and the final read."""
-    import hashlib
+    """A record's value, as compared between the live and the final read (``rlstream.audit``'s)."""
+    from rlstream.audit import digest as final_digest
 
-    return "null" if value is None else hashlib.blake2b(value, digest_size=8).hexdigest()
+    return final_digest(value)
 
 
 def ids_of(role: str, value: bytes | None) -> tuple[str | None, list[int] | None]:
