@@ -71,7 +71,7 @@ class EnvConfig(StrictModel):
     """Multi-turn environments (environment-level async): which tasks run as episodes."""
 
     tasks: dict[str, str] = Field(default_factory=lambda: {"guess_number": "guess_number"})
-    """Task name -> environment: a built-in name (``guess_number``, ``tools``, ``textarena``) or ``module:Class``."""
+    """Task name -> environment: a built-in name (``guess_number``, ``tools``, ``textarena``, ``verifiers``) or ``module:Class``."""
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Task name -> options handed to that task's environment (its ``config``)."""
     import_dirs: list[Path] = Field(default_factory=list, max_length=64)
@@ -82,8 +82,10 @@ class EnvConfig(StrictModel):
     """Most model turns per episode."""
     max_turn_tokens: int = Field(16, ge=1, le=65536)
     """Most tokens the model may produce in one turn."""
-    stop: list[str] = Field(default_factory=lambda: ["\n"])
-    """Strings (single tokens) that end a model turn, besides EOS."""
+    stop: list[str] | None = None
+    """Strings (single tokens) that end a model turn, besides EOS. Unset: a newline, except in
+    environments that render the chat themselves (``tools``), whose turns end at EOS, the chat
+    template's end-of-message; set (``[]`` included), it applies to every environment."""
     workers: int = Field(4, ge=1, le=1024)
     """Threads running ``env.step`` so a slow environment never blocks generation."""
     step_timeout_s: float = Field(60.0, gt=0, le=86_400)

@@ -15,7 +15,10 @@ when no sample is generating), and the steps of a dispatched batch come back fro
 together, once every one of them has ended; ``stepping`` tells the worker to start no generation
 meanwhile.
 
-What this is not: a sandbox; a step that spins forever keeps its CPU until the process ends.
+What this is not: a sandbox; a step that spins forever keeps its CPU until the process ends (the
+``tools`` environment's ``module:function`` tools run in a tool-runner process that is killed at
+the call's deadline, ``libs.tools.runner``, so a tool cannot do this). Step threads are daemons:
+they never hold up the worker's exit after SIGTERM.
 """
 
 from __future__ import annotations

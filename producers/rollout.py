@@ -105,7 +105,7 @@ class RolloutWorker(Worker):
         model_dir = materialize(self.cfg.model)
         self.tokenizer = self.tokenizer or load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
-        self.stop_ids = frozenset(self._stop_id(s) for s in self.rc.env.stop)
+        self.stop_ids = frozenset(self._stop_id(s) for s in (["\n"] if self.rc.env.stop is None else self.rc.env.stop))
         self.envs = {task: env_factory(spec, self.rc.env.import_dirs) for task, spec in self.rc.env.tasks.items()}
         for task, env_cls in self.envs.items():
             env_cls.check_options(self.rc.env.options.get(task, {}), self.rc.env.import_dirs)
@@ -313,7 +313,27 @@ class RolloutWorker(Worker):
         except InvalidRecord as exc:
             raise exc.located(msg.topic(), msg.partition(), msg.offset()) from exc
         prompt["_tokens"] = prompt_tokens(prompt, self.tokenizer, self.rc, self.max_len)
+        env_cls = self.envs.get(prompt["task"])
+        if env_cls is not None and env_cls.renders_chat:  # it renders the opening (e.g. with its tools): measure that
+            prompt["_tokens"] = self._opening_tokens(env_cls, prompt, msg)
         return prompt
+
+    def _opening_tokens(self, env_cls, prompt: dict, msg) -> list[int]:
+        """The tokens of the opening a chat environment renders for ``prompt``; InvalidRecord
+        (too_long) past ``rollout.max_prompt_tokens``. An environment whose reset raises is left to
+        fail its episodes (each ends in a dead letter with the reason)."""
+        ctx = EnvContext(prompt["task"], self.worker_id, self.tokenizer, tuple(self.rc.env.import_dirs))
+        try:
+            text = env_cls(self.rc.env.options.get(prompt["task"], {}), ctx).reset(dict(prompt), prompt["sample_start"])
+        except Exception:  # the episode's own reset raises it again and dead-letters the episode
+            return prompt["_tokens"]
+        toks = self._tokenize(text, False)
+        limit = min(self.rc.max_prompt_tokens, self.max_len - 1)
+        if len(toks) > limit:
+            exc = InvalidRecord(f"prompt has {len(toks)} tokens with the environment's opening (tools included), "
+                                f"more than the limit {limit}", "too_long")  # fmt: skip
+            raise exc.located(msg.topic(), msg.partition(), msg.offset())
+        return toks
 
     def _admissible(self, prompt: dict) -> bool:
         return prompt["group_seq"] < 0 or self.weights.may_admit(prompt["group_seq"])
@@ -376,6 +396,23 @@ class RolloutWorker(Worker):
         self.metrics.inc("dead_letters")
         self.metrics.inc(f"dead_letters.{why}")
 
+    def _step_dead_letter(self, s: Sample, dead: dict) -> None:
+        """Produce the DeadLetter of one failure inside an env step that did not end the episode
+        (``info["dead_letters"]``: error_type, reason, value, headers), e.g. a tool call stopped
+        at its deadline; not part of the prompt's acknowledgements."""
+        why = dead["error_type"]
+        log.warning("dead letter %s", kv(trajectory_id=s.tid, error_type=why, reason=dead["reason"][:200]))
+        rec = {
+            "source_topic": s.tp[0], "source_partition": s.tp[1], "source_offset": s.offset,
+            "key": s.prompt["group_id"].encode(), "value": dead["value"],
+            "headers": {"trajectory_id": s.tid.encode(), **dead.get("headers", {})},
+            "error_type": dead["error_type"], "reason": f"trajectory {s.tid} (turn {s.turns}): {dead['reason']}",
+            "role": self.role, "worker_id": self.worker_id, "failed_at_ms": now_ms(),
+        }  # fmt: skip
+        self.producer.produce_record(self.topics["dlq"], "DeadLetter", rec, key=rec["key"])
+        self.metrics.inc("dead_letters")
+        self.metrics.inc(f"dead_letters.{why}")
+
     # -- generation ------------------------------------------------------------------------------
     def _draining(self) -> bool:
         return self.weights.loadable is not None and self.rc.reload_policy == "drain"
@@ -394,7 +431,8 @@ class RolloutWorker(Worker):
         return self.tokenizer(text, add_special_tokens=special).input_ids
 
     def _submit(self, s: Sample) -> None:
-        req = s.request(self.rc.temperature, self.stop_ids, self.eos_id)
+        chat_turns = self.rc.env.stop is None and s.env is not None and s.env.renders_chat
+        req = s.request(self.rc.temperature, frozenset() if chat_turns else self.stop_ids, self.eos_id)  # chat: EOS
         if req.rid in self.running:  # the same sample of a copy of its message (e.g. fed twice) is in flight
             log.warning("a copy of this sample is generating (its prompt was delivered twice); both run %s",
                         kv(trajectory_id=s.tid, partition=s.tp[1], offset=s.offset))  # fmt: skip
@@ -440,6 +478,12 @@ class RolloutWorker(Worker):
                 continue
             for name, n in (res.info.get("counts") or {}).items():
                 self.metrics.inc(f"env.{name}", n)
+            for name, values in (res.info.get("observe") or {}).items():  # e.g. tool latencies: p50/max
+                for v in values:
+                    self.metrics.observe(f"env.{name}", v)
+            s.env_metadata.update(res.info.get("metadata") or {})
+            for dead in res.info.get("dead_letters") or ():  # a stopped tool call; the episode goes on
+                self._step_dead_letter(s, dead)
             obs = self.tokenizer(res.observation, add_special_tokens=False).input_ids
             if s.add_observation(res, obs) and not self._draining():
                 self._submit(s)

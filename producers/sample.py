@@ -67,6 +67,8 @@ class Sample:
     """Times the sample was started again from its prompt (``restart``)."""
     failed: tuple[str, str] | None = None
     """(error_type, reason) when its environment failed: the episode ends in a dead letter."""
+    env_metadata: dict[str, str] = field(default_factory=dict)
+    """Trajectory metadata its environment's steps set (``info["metadata"]``, e.g. ``tools``)."""
 
     rank: int | None = None
     """With ``rollout.overprovision``: the sample_index it is published under (its place among
@@ -193,6 +195,7 @@ class Sample:
             meta[DRAW_KEY] = str(self.index)
         if self.quorum:
             meta[QUORUM_KEY] = str(self.quorum)
+        meta.update(self.env_metadata)
         return {
             "trajectory_id": self.tid,
             "group_id": p["group_id"],

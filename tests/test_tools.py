@@ -183,7 +183,7 @@ def test_an_episode_renders_tools_and_results_with_a_template_that_has_a_tools_s
     r = env.step(turn)
     assert (r.observation, r.done) == ("\n[tool]2<eos>\n[assistant]", False)
     assert r.info["counts"] == {"tool_calls": 1, "malformed_tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
-                                "tool_turns": 1, "final_answers": 0}  # fmt: skip
+                                "tool_memory": 0, "tool_crashes": 0, "tool_turns": 1, "final_answers": 0}  # fmt: skip
     # what the model saw is exactly the template's rendering of the whole conversation
     whole = tok.apply_chat_template(
         [{"role": "user", "content": prompt["text"]}, {"role": "assistant", "content": turn[: -len("<eos>")]},
@@ -202,7 +202,7 @@ def test_an_episode_renders_tools_and_results_with_a_template_that_has_a_tools_s
         '"arguments": {"seconds": 5}}</tool_call><tool_call>{"name": "nope"}</tool_call><tool_call>{oops</tool_call><eos>'
     )
     assert r.observation == (
-        "\n[tool]error: RuntimeError: boom 1<eos>\n[tool]error: sleepy timed out after 0.3s<eos>\n"
+        "\n[tool]error: RuntimeError: boom 1<eos>\n[tool]error: tool sleepy was stopped: timed out after 0.3 s<eos>\n"
         "[tool]error: no tool 'nope'; tools: calculator, boom, sleepy<eos>\n[tool]error: the tool call could not be "
         "read: not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)<eos>\n[assistant]"
     )

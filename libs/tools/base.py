@@ -11,8 +11,10 @@ line).
 
 Calls run on a daemon thread joined with a deadline: a tool that hangs is abandoned (its thread
 is left to finish on its own and never blocks the process's exit) and the call reports a timeout.
-A Python thread cannot be killed, so a tool that may spin forever on the CPU belongs in a
-subprocess (the ``python`` tool runs in the reward sandbox, ``libs.rewards.sandbox``).
+A Python thread cannot be killed, so only built-in and HTTP tools run this way; a user's
+``module:function`` tool runs in a tool-runner process with a memory limit and no network, killed
+at its deadline (``libs.tools.runner``), and the ``python`` tool runs in the reward sandbox
+(``libs.rewards.sandbox``).
 
 What this is not: a parser of the model's calls (``libs.tools.parsers``) nor a sandbox.
 """
@@ -46,6 +48,9 @@ class Tool:
     """OpenAI function schema: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
     fn: Callable[..., Any]
     """Called with the call's arguments as keywords; its result is turned into text."""
+    ref: str = ""
+    """``module:function`` of a user's tool (its calls run in a tool runner, ``libs.tools.runner``);
+    empty for built-in and HTTP tools."""
 
 
 @dataclass
@@ -53,7 +58,8 @@ class ToolResult:
     content: str
     """What the model is shown (the tool message's content)."""
     status: str = "ok"
-    """ok | error (the tool raised, or its arguments do not fit it) | timeout"""
+    """ok | error (the tool raised, or its arguments do not fit it) | timeout | memory (past the
+    runner's memory limit) | crash (its runner ended during the call)"""
 
     @property
     def ok(self) -> bool:
@@ -88,7 +94,7 @@ def load_tool(spec: str | dict, dirs: list[str | Path] | tuple = ()) -> Tool:
     if not callable(fn):
         raise ConfigError(f"tool {spec!r} is not callable")
     schema = schema_of(fn)
-    return Tool(schema["function"]["name"], schema, fn)
+    return Tool(schema["function"]["name"], schema, fn, "" if spec in TOOLS.names() else spec)
 
 
 class HttpTool(StrictModel):
@@ -143,7 +149,11 @@ def call_with_timeout(tool: Tool, arguments: dict, timeout_s: float, max_chars: 
     if "error" in box:
         exc = box["error"]
         return ToolResult(f"error: {type(exc).__name__}: {exc}", "error")
-    text = as_text(box.get("value"))
+    return ToolResult(cut(as_text(box.get("value")), max_chars))
+
+
+def cut(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` (0 = no limit), saying how much was left out."""
     if max_chars and len(text) > max_chars:
-        text = text[:max_chars] + f"... [{len(text) - max_chars} more characters]"
-    return ToolResult(text)
+        return text[:max_chars] + f"... [{len(text) - max_chars} more characters]"
+    return text

@@ -31,6 +31,7 @@ figures; it asserts nothing.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rlstream.dev.bench.agent_env import DEFAULTS, OBSERVATION, mean_latency
@@ -67,6 +68,12 @@ SIZES = {
         "turns": 4, "runs": [[mode, k] for k in (0, 1, 2) for mode in ("turn-sync", "env-async")], "env": {},
     },
 }  # fmt: skip
+STOP_S = 8.0
+"""``liveness.shutdown_timeout_s`` of the runs: the harness waits 10 s after SIGTERM before it
+SIGKILLs a role, so a worker's own stop bound must be shorter. With the default 30 s a rollout
+worker spends up to 22 s finishing admitted episodes nobody will train (4 turns of tool calls of
+up to 2 s each, longer turn-synchronously) and is killed; within 8 s it finishes what it can,
+leaves the rest uncommitted and exits."""
 WORKLOAD = "long-tail"
 """Turn lengths: benchmark 1's long-tail distribution (lognormal sigma 0.5, 3% at the clip)."""
 
@@ -123,16 +130,27 @@ def run_one(ctx: BenchContext, mode: str, k: int) -> dict:
     source = write_prompts(run_dir / "prompts.jsonl", 64)
     sets, bounds = plan(sz)
     sets["rollout.env.turn_sync"] = mode == "turn-sync"
+    sets["liveness.shutdown_timeout_s"] = STOP_S
     cfg, path = make_config(ctx, name, {**common_sets(sz, k, source), **sets})
     res = run_pipeline(ctx, cfg, path, sz["workers"], 1, timeout_s=900)
     row = {"mode": mode, "k": k, "status": res.status, "wall_s": res.wall_s, "loadavg": res.loadavg}
     row.update(analyze(cfg, Path(cfg.run_dir), sz["workers"], sz["inflight"]))
     row.update(rollout_totals(cfg, ("env.tool_calls", "dead_letters")))
     row["plan"] = bounds
+    row["force_killed"] = force_killed(Path(cfg.run_dir))
     row["achieved_over_ideal"] = rnd((row.get("samples_per_s") or 0) / bounds["ideal_samples_per_s"])
     log_line(ctx, name, status=res.status, samples_per_s=row.get("samples_per_s"), stale=row.get("stale_dropped"),
-             tool_calls=row.get("env.tool_calls"), wall_s=res.wall_s)  # fmt: skip
+             tool_calls=row.get("env.tool_calls"), wall_s=res.wall_s, force_killed=row["force_killed"])  # fmt: skip
     return row
+
+
+def force_killed(run_dir: Path) -> list[str]:
+    """The roles the supervisor had to SIGKILL at the end of a run (``stop_timeout`` events)."""
+    path = run_dir / "logs" / "events.jsonl"
+    if not path.is_file():
+        return []
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted({e["name"] for e in events if e.get("event") == "stop_timeout"})
 
 
 def run(ctx: BenchContext) -> dict:
@@ -153,11 +171,12 @@ def run(ctx: BenchContext) -> dict:
 def table(result: dict) -> str:
     p = result["plan"]
     headers = ["rollout mode", "k", "samples/s", "wall s", "speedup vs sync", "vs env-async k=0", "trainer idle",
-               "rollout idle", "stale dropped", "tool calls", "achieved/ideal"]  # fmt: skip
+               "rollout idle", "stale dropped", "tool calls", "achieved/ideal", "force-killed"]  # fmt: skip
     rows = [
         [r["mode"], r["k"], r.get("samples_per_s"), r.get("wall_s"), r.get("speedup_over_sync"),
          r.get("speedup_over_env_async_k0"), r.get("trainer_idle_fraction"), r.get("rollout_idle_fraction"),
-         r.get("stale_dropped"), r.get("env.tool_calls"), r.get("achieved_over_ideal")]
+         r.get("stale_dropped"), r.get("env.tool_calls"), r.get("achieved_over_ideal"),
+         ", ".join(r.get("force_killed") or []) or "none"]
         for r in result["runs"]
     ]  # fmt: skip
     sz = result["sizes"]
