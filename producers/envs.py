@@ -10,7 +10,8 @@ own episode, in a dead letter. Environment tokens are recorded with loss_mask 0 
 
 Environments are plug-ins like engines: ``ENVIRONMENTS`` maps a name to a class (the built-ins
 ``guess_number``, ``tools``, the tool-calling chat environment of ``producers.tool_env``, and
-``textarena``, the games of the textarena library (``producers.textarena_env``), or
+``textarena``, the games of the textarena library (``producers.textarena_env``), ``verifiers``,
+the tasksets of PrimeIntellect's verifiers library (``producers.verifiers_env``), or
 ``package.module:Class``), and each episode gets a new instance built as ``cls(config, ctx)``:
 the task's options (``rollout.env.options.<task>``) and an ``EnvContext``.
 
@@ -132,6 +133,7 @@ ENVIRONMENTS = Registry(
         "guess_number": "producers.envs:GuessNumberEnv",
         "tools": "producers.tool_env:ToolEnv",
         "textarena": "producers.textarena_env:TextArenaEnv",
+        "verifiers": "producers.verifiers_env:VerifiersEnv",
     },
     base=Environment,
 )
@@ -141,3 +143,14 @@ def env_factory(spec: str, dirs=()) -> type[Environment]:
     """The Environment class a config names: a registered name or ``module:Class`` (its module
     looked up in ``dirs`` first, then the import path: ``rollout.env.import_dirs``)."""
     return ENVIRONMENTS.get(spec, dirs)
+
+
+def make_env(spec: str, options: dict[str, Any], ctx: dict[str, Any], dirs=(), check: bool = False) -> Environment:
+    """A new instance of the environment ``spec`` names, for one episode of a role that plays
+    episodes outside the rollout worker (the evaluator, which the application layer hands this
+    function, since roles do not import each other). ``ctx``: the ``EnvContext`` fields (task,
+    worker_id, tokenizer); ``check``: refuse bad options first (``check_options``, ConfigError)."""
+    cls = env_factory(spec, dirs)
+    if check:
+        cls.check_options(options, dirs)
+    return cls(options, EnvContext(**ctx, import_dirs=tuple(dirs)))

@@ -234,8 +234,10 @@ class Job:
 
         if self._config.eval.source is None:
             raise ConfigError(f"job {self.name} has no held-out set: set eval.source, or job.dataset.held_out > 0")
+        from producers.envs import make_env
+
         with self._kafka() as cfg:
-            results = _run_off_main_thread(Evaluator(cfg, version, latest=version is None))
+            results = _run_off_main_thread(Evaluator(cfg, version, latest=version is None, envs=make_env))
         return results[-1]
 
     def samples(self, n: int = 10, *, version: int | None = None, order: str = "newest") -> list[dict]:

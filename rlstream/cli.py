@@ -295,8 +295,9 @@ def eval_(
         raise typer.BadParameter("give --version N or --latest, not both")
     cfg = load(config, set_, settings={"eval.source": source} if source else None)
     from consumers.eval.worker import run
+    from producers.envs import make_env
 
-    results = run(cfg, version=version, latest=latest)
+    results = run(cfg, version=version, latest=latest, envs=make_env)
     if (latest or version is not None) and results:
         r = results[-1]
         console.print(
@@ -527,6 +528,27 @@ def samples_cmd(
         resolve_bootstrap(cfg)
         require_broker(cfg)
     show(cfg, n, version, "worst" if worst else "best" if best else "newest", follow, as_json)
+
+
+@app.command("audit")
+def audit_cmd(
+    job: Annotated[str, typer.Argument(help="Job file, or a job's name (rlstream jobs lists them).")],
+    as_json: bool = typer.Option(False, "--json", help="The whole report as one JSON object."),
+    bootstrap: str | None = typer.Option(
+        None,
+        "--bootstrap",
+        help="Kafka bootstrap servers (default: the configured ones, else the running local broker).",
+    ),
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Check a job from its topics (read_committed) and its trainer's steps log: every fed prompt
+    group disposed of or still in flight, nothing scored or trained twice, order and the staleness
+    bound kept, every bad record dead-lettered with a reason. One line; exit 1 on a violation."""
+    from rlstream.audit import main as audit_main
+
+    sigterm_unwinds()
+    raise typer.Exit(audit_main(job, config, list(set_ or []), bootstrap, as_json))
 
 
 app.command()(chaos)

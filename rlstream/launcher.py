@@ -564,6 +564,7 @@ class Launcher:
                 "staleness_histogram": self.progress.staleness(),
                 "longest_pause_s": self.progress.longest_pauses(),
                 "eval_curve": self.progress.eval_curve(),
+                "tool_curve": self.progress.tool_curve(),
                 "steps": steps_log,
             }
         )

@@ -18,6 +18,8 @@ def mean_reward(steps: list[dict]) -> float | None:
 
 GAP_METRICS = {"reward": "commit_gap_s_max", "rollout": "produce_gap_s_max"}
 """Per stage, the MetricEvent field that holds its longest gap in the last window."""
+TOOL_FIGURES = ("tool_call_rate", "tool_call_success", "malformed_call_rate", "turns_mean")
+"""The eval figures of held-out episodes in an environment (``consumers.eval.episodes``), less ``eval_``."""
 
 
 class Progress:
@@ -43,6 +45,8 @@ class Progress:
             self.evals[ev["version"]] = {
                 "reward_mean": m["eval_reward_mean"], "pass_at_1": m.get("eval_pass_at_1"), "answers": m.get("eval_answers")
             }  # fmt: skip
+            if "eval_tool_call_rate" in m:  # held-out episodes in an environment: the tool-use figures
+                self.evals[ev["version"]]["tools"] = [m.get(f"eval_{k}") for k in TOOL_FIGURES]
             if m.get("eval_final"):
                 self.final_eval = max(ev["version"], self.final_eval or 0)
         gap = GAP_METRICS.get(ev["role"])
@@ -97,6 +101,12 @@ class Progress:
     def eval_curve(self) -> list[list]:
         """[[version, mean reward, pass@1], ...] in version order."""
         return [[v, round(e["reward_mean"], 4), round(e["pass_at_1"] or 0.0, 4)] for v, e in sorted(self.evals.items())]
+
+    def tool_curve(self) -> list[list]:
+        """[[version, tool call rate, call success, malformed call rate, turns mean, pass@1], ...] of
+        the versions whose held-out set ran in an environment, in version order."""
+        return [[v, *(round(x or 0.0, 4) for x in e["tools"]), round(e["pass_at_1"] or 0.0, 4)]
+                for v, e in sorted(self.evals.items()) if "tools" in e]  # fmt: skip
 
     def staleness(self) -> dict[int, int]:
         from rlstream.report import staleness_histogram

@@ -1,5 +1,7 @@
 """Run reports: a JSON file and PNG plots (reward vs step, staleness distribution, throughput
-over time, and the eval curve when ``rlstream eval`` ran, with the exported best version marked)
+over time, and the eval curve when ``rlstream eval`` ran, with the exported best version marked;
+``tools.png``, tool call rate, call success, malformed calls and pass@1 by version, when the
+held-out set ran as episodes in a tools environment)
 from the trainer's per-step MetricEvents. Used by ``rlstream run``, ``rlstream demo`` and benchmarks.
 
 A step that trained no sample (every one stale; ``reward_mean`` None) has no point on the reward
@@ -109,6 +111,20 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         out.append(_save(fig, run_dir / "eval.png"))
+    if report.get("tool_curve"):  # held-out episodes in an environment (consumers.eval.episodes)
+        curve = report["tool_curve"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for i, label, mark in ((1, "tool call rate", "o"), (2, "call success", "s"), (3, "malformed calls", "x"),
+                               (5, "pass@1", "^")):  # fmt: skip
+            ax.plot([c[0] for c in curve], [c[i] for c in curve], marker=mark, label=label)
+        ax.set_xlabel("policy version")
+        ax.set_ylabel("share (held-out episodes)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("tool use on held-out episodes")
+        ax.legend(loc="best")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out.append(_save(fig, run_dir / "tools.png"))
     return out
 
 

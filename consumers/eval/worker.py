@@ -14,14 +14,24 @@ The launcher's live view, ``rlstream status``, the run report and its plots show
 final version's event also carries ``eval_final = 1``: the launcher waits for it before it stops a
 job whose trainer has finished.
 
+A held-out prompt whose task maps to an environment (``rollout.env.tasks``, e.g. a ``tools``
+task) is played as whole episodes through that environment (``consumers.eval.episodes``): the
+environment's opening, a model turn, its observation, and so on to the end of the episode, whose
+text is then scored as a trajectory's would be. The event then also carries the tool-use figures
+from the environment's counts: ``eval_tool_call_rate``, ``eval_tool_call_success``,
+``eval_malformed_call_rate``, ``eval_turns_mean`` and ``eval_episodes``; each answer's row in
+``eval/v<N>.jsonl`` carries its transcript, turns and counts. The environment classes are
+handed in by the application layer (``envs``: ``producers.envs.make_env``), as roles do not
+import each other.
+
 ``rlstream eval --version N`` / ``--latest`` (``Evaluator(cfg, version=N)`` / ``latest=True``)
 evaluates that one version once, publishes nothing, writes its answers to
 ``<run_dir>/eval/v<N>.jsonl`` and returns the figures.
 
-It lives in the application layer because it composes two roles' libraries (a rollout engine and
-reward functions); it writes nothing but metrics and, in the checkpoint store, the best version
-by ``eval.best_metric`` (``pipeline.best``), whose weights the trainer then never deletes. It is
-not a benchmark harness.
+It is a role of its own: it uses the libraries (a rollout engine, reward functions), never
+another role's package (the environments are handed in, above). It writes nothing but metrics
+and, in the checkpoint store, the best version by ``eval.best_metric`` (``pipeline.best``), whose
+weights the trainer then never deletes. It is not a benchmark harness.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from consumers.eval.episodes import play, start, tool_metrics
 from pipeline.best import note_score, pin_evaluating
 from pipeline.config import StrictModel
 from pipeline.control import ControlFollower, now_ms
@@ -87,8 +98,13 @@ class Evaluator(Worker):
     role = "eval"
     unit = "evaluation"
 
-    def __init__(self, cfg, version: int | None = None, latest: bool = False):
+    def __init__(self, cfg, version: int | None = None, latest: bool = False, envs=None):
         super().__init__(cfg, cfg.eval.worker_id)
+        self.make_env = envs
+        """``producers.envs.make_env`` (spec, options, ctx, dirs, check) -> a new Environment; None:
+        a held-out set with an environment task is refused."""
+        self.env_tasks: dict[str, str] = {}
+        """Held-out tasks played as episodes -> their environment spec."""
         self.ec = cfg.eval
         self.engine = self.pool = self.control = self.producer = self.metrics = None
         self.evaluated: int | None = None
@@ -115,6 +131,14 @@ class Evaluator(Worker):
             self.update = find_update(self.cfg, self.asked, base=True)
         records = load_dataset(eval_feed(self.cfg))
         self.records = records[: self.ec.max_prompts] if self.ec.max_prompts else records
+        env = self.cfg.rollout.env
+        self.env_tasks = {r["task"]: env.tasks[r["task"]] for r in self.records if r["task"] in env.tasks}
+        if self.env_tasks and self.make_env is None:
+            raise ConfigError(f"held-out tasks {sorted(self.env_tasks)} run in environments, but this evaluator was "
+                              "built without them (pass envs=producers.envs.make_env)")  # fmt: skip
+        for task, spec in self.env_tasks.items():  # bad options are said now, before the model loads
+            self.make_env(spec, env.options.get(task, {}), {"task": task, "worker_id": self.worker_id}, env.import_dirs,
+                          check=True)  # fmt: skip
         model_dir = materialize(self.cfg.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = build_engine(self.cfg.rollout.engine, EngineContext(model_dir, self.tokenizer, self.worker_id))
@@ -179,13 +203,17 @@ class Evaluator(Worker):
 
         rc, ec, t0 = self.cfg.rollout, self.ec, time.monotonic()
         budget = ec.max_new_tokens or rc.max_new_tokens
-        reqs, meta = [], []
+        reqs, meta, episodes, ep_meta = [], [], [], []
         for i, r in enumerate(self.records):
             if uses_template(r, rc.chat_template):
                 text = render(r, self.tokenizer, rc.system_prompt, rc.add_generation_prompt)
                 toks = self.tokenizer(text, add_special_tokens=False).input_ids
             else:
                 text, toks = r["text"], self.tokenizer(r["text"]).input_ids
+            if r["task"] in self.env_tasks:
+                episodes += self._episodes(i, r, text, budget)
+                ep_meta += [(r, text)] * ec.samples
+                continue
             n = min(budget, self.engine.max_model_len - len(toks))
             for j in range(ec.samples):
                 reqs.append(
@@ -197,25 +225,39 @@ class Evaluator(Worker):
         outs = []
         for i in range(0, len(reqs), 64):  # in chunks, with a sign of life between them
             outs += self.engine.generate(reqs[i : i + 64], timeout=self.liveness.slow_op_s)
-            if self.metrics is not None:
-                self.metrics.maybe_publish()
+            self._tick()
+        answers = [
+            (r, text, req.rid, self.tokenizer.decode(out.tokens, skip_special_tokens=True), out.finish_reason,
+             len(out.tokens), None)
+            for req, out, (r, text) in zip(reqs, outs, meta, strict=True)
+        ]  # fmt: skip
+        if episodes:
+            self._play(episodes)
+        decode = self.tokenizer.decode
+        answers += [
+            (r, text, ep.rid, decode(ep.tokens, skip_special_tokens=True), ep.finish, ep.model_tokens, ep)
+            for ep, (r, text) in zip(episodes, ep_meta, strict=True)
+        ]
         trajs = [
             {
-                "trajectory_id": req.rid,
-                "group_id": req.rid,
+                "trajectory_id": rid,
+                "group_id": rid,
                 "task": r["task"],
                 "prompt_text": text,
-                "response_text": self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+                "response_text": response,
                 "reference": r["reference"],
-                "finish_reason": out.finish_reason,
-                "num_turns": 1,
+                "finish_reason": finish,
+                "num_turns": max(1, ep.turns) if ep is not None else 1,
                 "metadata": {},
             }
-            for req, out, (r, text) in zip(reqs, outs, meta, strict=True)
+            for r, text, rid, response, finish, _, ep in answers
         ]
         outcomes = self.pool.score(trajs)
-        scored = [o for o in outcomes if o.ok]
+        # an episode its environment ended (env_error / env_timeout) is not scored: it counts as failed
+        failed = [a[6] is not None and a[6].finish in ("env_error", "env_timeout") for a in answers]
+        scored = [o for o, f in zip(outcomes, failed, strict=True) if o.ok and not f]
         rewards = [o.reward for o in scored]
+        lengths = [a[5] for a in answers]
         res = {
             "version": self.engine.version,
             "eval_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
@@ -223,16 +265,19 @@ class Evaluator(Worker):
             "eval_answers": len(trajs),
             "eval_unscored": len(trajs) - len(scored),
             # response length: what a length-biased rule (rollout.overprovision) would move first
-            "eval_response_tokens_mean": sum(len(o.tokens) for o in outs) / len(outs) if outs else 0.0,
-            "eval_truncated_fraction": sum(o.finish_reason == "length" for o in outs) / len(outs) if outs else 0.0,
+            "eval_response_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            "eval_truncated_fraction": sum(t["finish_reason"] == "length" for t in trajs) / max(1, len(trajs)),
             "eval_s": time.monotonic() - t0,
         }
+        tools = tool_metrics(episodes) if episodes else {}
+        res.update(tools)
         self.results.append(res)
         self.evaluated = self.engine.version
         log.info("evaluated %s", kv(**{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
-        answers = self._write_answers(trajs, outcomes)  # before the figures: the tracker's eval table reads it
+        # before the figures: the tracker's eval table reads it
+        answers_file = self._write_answers(trajs, outcomes, failed, [a[6] for a in answers])
         if self.once:
-            res["answers_file"] = str(answers)
+            res["answers_file"] = str(answers_file)
             return
         if self.ec.best_metric:  # before the figures go out: the launcher stops the run on the final one
             upd = self.control.latest_update
@@ -240,25 +285,68 @@ class Evaluator(Worker):
             note_score(self.cfg.store, self.ec.best_metric, self.ec.best_mode, res, upd)
         self.metrics.version = self.engine.version
         for k, v in res.items():
-            if k != "version":
+            if k != "version" and k not in tools:
                 self.metrics.set(k, v)
+        if tools:  # by name, so the metrics reference lists them
+            self.metrics.set("eval_episodes", tools["eval_episodes"])
+            self.metrics.set("eval_tool_call_rate", tools["eval_tool_call_rate"])
+            self.metrics.set("eval_tool_call_success", tools["eval_tool_call_success"])
+            self.metrics.set("eval_malformed_call_rate", tools["eval_malformed_call_rate"])
+            self.metrics.set("eval_turns_mean", tools["eval_turns_mean"])
         if final:
             self.metrics.set("eval_final", 1.0)
         self.metrics.set("eval_at_ms", now_ms())
         self.metrics.publish()
         self.producer.flush_patiently(self.liveness.outage_s, "eval metrics")
 
-    def _write_answers(self, trajs: list[dict], outcomes: list) -> Path:
+    def _episodes(self, i: int, r: dict, text: str, budget: int) -> list:
+        """The ``eval.samples`` episodes of held-out record ``r`` (its rendered prompt ``text``), reset."""
+        env, task = self.cfg.rollout.env, r["task"]
+        prompt = {**r, "group_id": f"eval{i}", "text": text, "_plain_text": r["text"]}  # as a Prompt record reads
+        ctx = {"task": task, "worker_id": self.worker_id, "tokenizer": self.tokenizer}
+        spec, opts, n = self.env_tasks[task], env.options.get(task, {}), self.engine.max_model_len
+        return [
+            start(self.make_env(spec, opts, ctx, env.import_dirs), prompt, j, self.tokenizer, f"eval{i}/{j}", budget, n)
+            for j in range(self.ec.samples)
+        ]
+
+    def _play(self, episodes: list) -> None:
+        env = self.cfg.rollout.env
+        stops = set()
+        for s in ["\n"] if env.stop is None else env.stop:
+            ids = self.tokenizer(s, add_special_tokens=False).input_ids
+            if len(ids) != 1:
+                raise ConfigError(f"rollout.env.stop {s!r} must be exactly one token, it is {ids}")
+            stops.add(ids[0])
+        play(episodes, self.engine, self.tokenizer, temperature=self.ec.temperature, max_turns=env.max_turns,
+             max_turn_tokens=env.max_turn_tokens, stop_ids=frozenset(stops), chat_eos_only=env.stop is None,
+             step_timeout_s=env.step_timeout_s, gen_timeout_s=self.liveness.slow_op_s, tick=self._tick)  # fmt: skip
+
+    def _tick(self) -> None:
+        if self.metrics is not None:
+            self.metrics.maybe_publish()
+
+    def _write_answers(self, trajs: list[dict], outcomes: list, failed: list[bool], episodes: list) -> Path:
         """``<run_dir>/eval/v<N>.jsonl``: each prompt, answer, reference and reward of the
-        evaluation of version N (the tracking role logs its first rows as a sample table)."""
+        evaluation of version N (the tracking role logs its first rows as a sample table); an
+        episode's row also has its ``turns``, ``transcript`` (``{role: model | env, text}``), the
+        environment's ``counts`` and, when the environment failed, its ``error``; an answer the reward
+        functions could not score has its ``reward_error``."""
         import json
 
         path = Path(self.cfg.run_dir) / "eval" / f"v{self.engine.version}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            for t, o in zip(trajs, outcomes, strict=True):
+            for t, o, bad, ep in zip(trajs, outcomes, failed, episodes, strict=True):
                 row = {k: t[k] for k in ("prompt_text", "response_text", "reference", "finish_reason")}
-                f.write(json.dumps({**row, "reward": o.reward if o.ok else None}) + "\n")
+                row["reward"] = o.reward if o.ok and not bad else None
+                if not o.ok:
+                    row["reward_error"] = f"{o.error_type}: {o.reason}"
+                if ep is not None:
+                    row.update(turns=ep.turns, transcript=ep.transcript, counts=ep.counts)
+                    if ep.error:
+                        row["error"] = ep.error
+                f.write(json.dumps(row) + "\n")
         return path
 
     def close(self) -> None:
@@ -286,6 +374,7 @@ def due(evaluated: int | None, target: int, every: int, final: bool) -> bool:
     return evaluated is None or target >= evaluated + every or (final and target > evaluated)
 
 
-def run(cfg, stop=None, version: int | None = None, latest: bool = False) -> list[dict]:
-    """Follow the run (default), or evaluate one version once (``version``, or the newest with ``latest``)."""
-    return Evaluator(cfg, version, latest).run(stop)
+def run(cfg, stop=None, version: int | None = None, latest: bool = False, envs=None) -> list[dict]:
+    """Follow the run (default), or evaluate one version once (``version``, or the newest with
+    ``latest``); ``envs``: ``producers.envs.make_env`` when held-out tasks run in environments."""
+    return Evaluator(cfg, version, latest, envs).run(stop)
