@@ -258,6 +258,16 @@ def demonstrations(cfg, tok, data: dict[Path, str]) -> None:
 
         rows = read_raw(path, cfg.feed.format)
     render_all(cfg, rows, tok, f"feed.source {path}")
+    total = len(rows) * cfg.feed.epochs
+    if cfg.feed.limit:
+        total = min(total, cfg.feed.limit)
+    per_step, steps = cfg.rl.groups_per_step, cfg.trainer.max_steps
+    if steps and total < per_step * steps:
+        raise ConfigError(
+            f"feed.source {path}: {len(rows)} demonstrations x {cfg.feed.epochs} epoch(s) fill "
+            f"{total // per_step} steps of rl.groups_per_step = {per_step}, but trainer.max_steps = {steps}: "
+            f"set trainer.max_steps = {total // per_step}, or raise feed.epochs"
+        )
 
 
 def _template_hint(cfg) -> str:

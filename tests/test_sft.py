@@ -329,3 +329,19 @@ def test_a_bad_demonstration_refuses_the_job_in_one_line_creating_nothing(cli_en
     assert proc.returncode != 0
     assert "record 8 (bad): a demonstration needs a user turn and then an assistant turn" in proc.stderr, proc.stderr
     assert not (Path(cli_env["RLSTREAM_RUN_DIR"]) / "sft-tiny").exists()
+
+
+def test_too_few_demonstrations_for_max_steps_refuse_the_job_in_one_line(cli_env, tmp_path):
+    import subprocess
+
+    from tests.conftest import rlstream_cmd
+
+    job = _sft_job(tmp_path, 5)
+    job.write_text(job.read_text().replace("epochs = 1000\nlimit = 20", "epochs = 2\nlimit = 0"))  # 16: 4 steps of 4
+    proc = subprocess.run([*rlstream_cmd(), "run", str(job), "--no-live"], env=cli_env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert "8 demonstrations x 2 epoch(s) fill 4 steps of rl.groups_per_step = 4, but trainer.max_steps = 5" in (
+        proc.stderr
+    ), proc.stderr
+    assert not (Path(cli_env["RLSTREAM_RUN_DIR"]) / "sft-tiny").exists()
