@@ -103,29 +103,33 @@ def plot_report(run_dir: Path, report: dict) -> list[Path]:
         best = ((report.get("export") or {}).get("best") or {}).get("version")
         if best is not None:  # the version kept beside the rolling window (eval.best_metric)
             ax.axvline(best, ls=":", color="tab:green", label=f"best: version {best} (exported)")
-        ax.set_xlabel("policy version")
-        ax.set_ylabel("held-out score")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title("evaluation while training")
-        ax.legend(loc="lower right")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        out.append(_save(fig, run_dir / "eval.png"))
+        out.append(
+            _by_version(fig, ax, "held-out score", "evaluation while training", "lower right", run_dir / "eval.png")
+        )
     if report.get("tool_curve"):  # held-out episodes in an environment (consumers.eval.episodes)
         curve = report["tool_curve"]
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for i, label, mark in ((1, "tool call rate", "o"), (2, "call success", "s"), (3, "malformed calls", "x"),
                                (5, "pass@1", "^")):  # fmt: skip
             ax.plot([c[0] for c in curve], [c[i] for c in curve], marker=mark, label=label)
-        ax.set_xlabel("policy version")
-        ax.set_ylabel("share (held-out episodes)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title("tool use on held-out episodes")
-        ax.legend(loc="best")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        out.append(_save(fig, run_dir / "tools.png"))
+        out.append(
+            _by_version(
+                fig, ax, "share (held-out episodes)", "tool use on held-out episodes", "best", run_dir / "tools.png"
+            )
+        )
     return out
+
+
+def _by_version(fig, ax, ylabel: str, title: str, legend: str, path: Path) -> Path:
+    """Finish a plot of shares (0..1) by policy version and save it."""
+    ax.set_xlabel("policy version")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.legend(loc=legend)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
