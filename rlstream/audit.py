@@ -46,7 +46,7 @@ from pathlib import Path
 
 from pipeline import codec
 from pipeline.errors import ConfigError, DecodeError
-from pipeline.records import VERSIONS_KEY, InvalidRecord, split_version_marks
+from pipeline.records import DEMO_KEY, VERSIONS_KEY, InvalidRecord, split_version_marks
 
 TOPICS = ("prompts", "rollouts", "scored")
 """The stages' topics the audit follows a group through (rl.dlq is read too)."""
@@ -81,6 +81,7 @@ def _reduce(role: str, rec: dict) -> dict:
             "gid": t["group_id"],
             "version_min": t["version_min"],
             "versions": (t.get("metadata") or {}).get(VERSIONS_KEY),
+            "demo": (t.get("metadata") or {}).get(DEMO_KEY) == "1",
             "src": (rec["source_partition"], rec["source_offset"]),
         }
     return {
@@ -289,13 +290,14 @@ def audit(
     r["stalled_groups"], r["stalled_examples"] = len(stalled), stalled[:EXAMPLES]
     r["in_flight_groups"], r["in_flight_examples"] = len(in_flight), in_flight[:EXAMPLES]
 
-    # staleness bound
+    # staleness bound (a demonstration of a supervised stage has no policy version: exempt)
+    demos = {row["tid"] for row in data["scored"] if row.get("demo")}
     viol = []
     for s in steps:
         cuts = s.get("token_masked") or {}
         for t in s["used"]:
             copy = first_copy.get(t)
-            if copy is None:
+            if copy is None or t in demos:
                 continue
             oldest, cut = copy[2], cuts.get(t)
             if cut is not None:  # token rule: trained from index cut["from"]; its version from the record

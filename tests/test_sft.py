@@ -293,6 +293,11 @@ def test_an_sft_job_lowers_the_nll_publishes_versions_and_resumes_exactly(cli_en
         assert follower.catch_up(timeout=60)["version"] == steps and follower.dead_lettered == 0
     finally:
         follower.close()
+    # the audit proves it from the topics: demonstrations carry no policy version, so no staleness
+    audit = subprocess.run([*rlstream_cmd(), "audit", str(job)], env=cli_env, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "PASS (stopped)" in audit.stdout and f"trained={steps * 4} " in audit.stdout, audit.stdout
 
 
 @pytest.mark.kafka
