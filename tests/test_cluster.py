@@ -59,7 +59,10 @@ def test_cluster_keys(tmp_path):
     with pytest.raises(ConfigError, match="nodes"):
         load_config(None, ["broker.nodes=10"], environ={})
     with pytest.raises(ConfigError, match="min_insync_replicas"):
-        load_config(None, ["topics.min_insync_replicas=2"], environ={})
+        load_config(None, ["topics.replication_factor=1", "topics.min_insync_replicas=2"], environ={})
+    # unset, the replication is the cluster's: the in-sync count is checked against it before any
+    # topic is created (pipeline.admin.replication), not when the config loads
+    assert load_config(None, ["topics.min_insync_replicas=2"], environ={}).topics.replication_factor is None
     cfg = load_config(None, ["topics.replication_factor=3", "topics.min_insync_replicas=2"], environ={})
     assert topic_configs(cfg.topics.prompts, cfg.topics.min_insync_replicas)["min.insync.replicas"] == "2"
     assert "min.insync.replicas" not in topic_configs(cfg.topics.prompts)
