@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.admin import Admin, topic_configs
-from pipeline.errors import ConfigError, KafkaClientError
+from pipeline.errors import ConfigError, KafkaClientError, TopicError
 from pipeline.kafka import Consumer, Producer, client_conf
 from pipeline.kafka.common import wait_for
 from rlstream.broker import LocalBroker
@@ -147,7 +147,15 @@ def test_three_nodes_survive_a_killed_leader(tmp_path):
         # unset, a topic takes the cluster's replication: 3 nodes -> 3 replicas, 2 in sync
         plain = load_config(None, [f"kafka.bootstrap_servers={state['bootstrap']}", "topics.prefix=plain."], environ={})
         ensure_topics(plain, ["dlq"])
-        dflt = admin.describe([plain.topics.name("dlq")])[plain.topics.name("dlq")]
+        name, deadline = plain.topics.name("dlq"), time.monotonic() + 120
+        while True:  # this client may ask a node that has not yet seen the new topic's metadata
+            try:
+                dflt = admin.describe([name])[name]
+                break
+            except TopicError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         assert dflt.replication_factor == 3 and dflt.configs["min.insync.replicas"] == "2"
 
         producer = Producer(client_conf(cfg, "test", kind="producer"), transactional_id="cluster-test")
