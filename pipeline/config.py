@@ -186,8 +186,8 @@ class TopicsConfig(StrictModel):
     at 3 replicas); a value above the broker count is refused before any topic is created."""
     min_insync_replicas: int | None = Field(None, ge=1)
     """``min.insync.replicas`` of every topic: how many replicas (leader included) must hold a
-    record before an ``acks=all`` write (every rlstream producer's) succeeds. None: the broker's
-    default. 2 with replication_factor 3 survives one broker down without losing an acknowledged
+    record before an ``acks=all`` write (every rlstream producer's) succeeds. None: one less than
+    the replication factor from 3 replicas up, else the broker's default. 2 with replication_factor 3 survives one broker down without losing an acknowledged
     record. A topic's ``extra`` ``min.insync.replicas`` wins."""
     prompts: TopicSpec = TopicSpec(name="prompts", partitions=8)
     rollouts: TopicSpec = TopicSpec(name="rollouts", partitions=8)
