@@ -60,6 +60,28 @@ class WorkerMetrics:
         with self._lock:
             self.gauges[name] = float(value)
 
+    def set_fault(self, text: str | None) -> dict | None:
+        """Say (``text``: one line, e.g. ``disk full at /x (need 540 MB free, 12 MB left); paused``) or
+        clear (None) the fault this worker waits on now. The event carries it as ``labels["fault"]``;
+        ``rlstream run`` prints it when it appears and again when it ends, and Prometheus gets
+        ``rlstream_fault`` (1 while a fault lasts). Published at once when it changes: the event, or
+        None when nothing changed."""
+        with self._lock:
+            if self.labels.get("fault") == text or (text is None and "fault" not in self.labels):
+                return None
+            if text is None:
+                self.labels.pop("fault", None)
+            else:
+                self.labels["fault"] = text
+            self.gauges["fault"] = 0.0 if text is None else 1.0
+        log.warning("fault %s", kv(role=self.role, worker=self.worker_id, fault=text or "ended"))
+        return self.publish_extra({"fault": self.gauges["fault"]}, {})
+
+    @property
+    def fault(self) -> str | None:
+        """The fault this worker says it waits on now (``set_fault``), or None."""
+        return self.labels.get("fault")
+
     def observe(self, name: str, value: float) -> None:
         with self._lock:
             w = self.windows[name]
@@ -97,7 +119,7 @@ class WorkerMetrics:
             "timestamp_ms": now_ms(),
             "version": int(self.version),
             "metrics": metrics,
-            "labels": self.labels,
+            "labels": dict(self.labels),
         }
 
     def publish(self) -> dict:

@@ -467,6 +467,15 @@ class Launcher:
             self.progress.add(ev)
             self.stall.add_metric(ev)
             self.tracker.add(ev)
+        self._say_faults()
+
+    def _say_faults(self) -> None:
+        """One line per fault a worker says it waits on (a full disk, an unreachable store), when it
+        begins and when it ends (``WorkerMetrics.set_fault``)."""
+        for key, line in self.progress.to_say:
+            name = self._worker_of.get(key.partition("/")[2], key)
+            self.console.print(escape(f"{name}: {line}"), style="yellow", highlight=False, soft_wrap=True)
+        self.progress.to_say.clear()
 
     def _write_prometheus_targets(self) -> Path | None:
         """Prometheus file-based discovery of this run's /metrics ports (infra/prometheus.yml reads
@@ -565,6 +574,7 @@ class Launcher:
                 "longest_pause_s": self.progress.longest_pauses(),
                 "eval_curve": self.progress.eval_curve(),
                 "tool_curve": self.progress.tool_curve(),
+                "faults": self.progress.fault_log,
                 "steps": steps_log,
             }
         )

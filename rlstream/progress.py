@@ -36,10 +36,17 @@ class Progress:
         """Per stage, the longest gap reported after the first step: between two commits of one
         reward worker (``commit_gap_s``), between two trajectories of one rollout worker
         (``produce_gap_s``)."""
+        self.faults: dict[str, dict] = {}
+        """worker key -> the fault it says it waits on now (``labels["fault"]``, ``WorkerMetrics.set_fault``)."""
+        self.fault_log: list[dict] = []
+        """Every fault a worker said, ended or not: {worker, text, start, end} (report.json ``faults``)."""
+        self.to_say: list[tuple[str, str]] = []
+        """(worker key, line) for the live view to print: a fault that began, changed or ended."""
 
     def add(self, ev: dict) -> None:
         key = f"{ev['role']}/{ev['worker_id']}"
         self.workers[key] = ev
+        self._fold_fault(key, (ev.get("labels") or {}).get("fault"), ev["timestamp_ms"] / 1000)
         m = ev["metrics"]
         if ev["role"] == "eval" and "eval_reward_mean" in m:
             self.evals[ev["version"]] = {
@@ -107,6 +114,20 @@ class Progress:
         the versions whose held-out set ran in an environment, in version order."""
         return [[v, *(round(x or 0.0, 4) for x in e["tools"]), round(e["pass_at_1"] or 0.0, 4)]
                 for v, e in sorted(self.evals.items()) if "tools" in e]  # fmt: skip
+
+    def _fold_fault(self, key: str, text: str | None, t: float) -> None:
+        now = self.faults.get(key)
+        if (now["text"] if now else None) == (text or None):
+            return
+        if now is not None:
+            now["end"] = t
+            del self.faults[key]
+            if not text:
+                self.to_say.append((key, f"resumed after {t - now['start']:.0f} s (was: {now['text']})"))
+        if text:
+            self.faults[key] = rec = {"worker": key, "text": text, "start": t, "end": None}
+            self.fault_log.append(rec)
+            self.to_say.append((key, text))
 
     def staleness(self) -> dict[int, int]:
         from rlstream.report import staleness_histogram
