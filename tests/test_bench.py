@@ -181,7 +181,15 @@ def test_bench_peer_tiny(cli_env, kafka_bootstrap, tmp_path):
         timeout=1200,  # a guard against a hang: ~3-4 min quiet
     )
     p = json.loads((out / "peer.json").read_text())
-    assert [r["arm"] for r in p["runs"]] == ["trl", "rlstream k=0", "rlstream k=1", "rlstream k=2"]
+    assert [r["arm"] for r in p["runs"]] == [
+        "trl",
+        "rlstream k=0",
+        "rlstream k=1",
+        "rlstream k=2",
+        "rlstream k=2, cold broker",
+    ]
+    cold = p["runs"][-1]  # a broker of its own, started for it, stopped after it
+    assert positive(cold["broker_start_s"]) and positive(cold["broker_cpu_s"]), cold
     for r in p["runs"]:
         assert r["status"] in ("ok", "finished"), r
         assert r["steps"] == p["steps"] and r["samples_trained"] > 0
@@ -194,6 +202,7 @@ def test_bench_peer_tiny(cli_env, kafka_bootstrap, tmp_path):
     assert all(r["stage_pause_s"] is not None for r in p["runs"][1:])
     assert [m["arm"] for m in p["medians"]] == [r["arm"] for r in p["runs"]]
     assert p["ratio_best_over_trl"] is not None and positive(p["ratio_best_over_trl"]["time_to_steps_s"])
+    assert p["ratio_cold_over_trl"]["arm"] == cold["arm"] and positive(p["ratio_cold_over_trl"]["time_to_steps_s"])
     assert Path(p["plots"][0]).stat().st_size > 1000
     text = docs.read_text()
     assert "<!-- bench:peer -->" in text and "| arm (median) |" in text and "img/bench/peer.png" in text

@@ -41,11 +41,27 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 from rlstream.dev.bench import learn
-from rlstream.dev.bench.harness import REPO, BenchContext, cpu_seconds, md_table, pyplot, rnd, save_figure, write_json
+from rlstream.dev.bench.harness import (
+    REPO,
+    BenchContext,
+    cpu_children,
+    cpu_seconds,
+    md_table,
+    pyplot,
+    rnd,
+    save_figure,
+    write_json,
+)
 from rlstream.dev.bench.trl_grpo import require_trl, run_child
 
 RECIPE = REPO / "examples" / "next-digit.toml"
@@ -54,11 +70,16 @@ ONE_EACH = ["job.rollout_workers=1", "job.reward_workers=1"]
 k = 2. On a 2-core machine the recipe's two of each spend CPU the cores do not have (five role
 processes and a broker); the arm says what a user who sizes the job to the machine gets. The
 ratio over TRL is printed for the best arm, and for the recipe as shipped."""
+COLD_K = 2
+"""The cold arm's staleness: the recipe's best k on two cores (the arms at a warm broker)."""
+COLD = f"rlstream k={COLD_K}, cold broker"
+"""The arm run as a user runs it (``run_cold``): its figures are the ones the README quotes."""
 SIZES = {
-    "tiny": {"steps": 20, "repeats": 1, "ks": [0, 1, 2], "budget_s": 240},
+    "tiny": {"steps": 20, "repeats": 1, "ks": [0, 1, 2], "budget_s": 240, "cold": True},
     "full": {
         "steps": 150,
         "repeats": 5,
+        "cold": True,
         "ks": [0, 1, 2],
         "budget_s": 900,
         "trl_one_thread": True,
@@ -162,6 +183,81 @@ def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | N
             "stage_pause_s": stage, "weights": digest, "loadavg": job["loadavg"]}  # fmt: skip
 
 
+def _rlstream(env: dict, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlstream", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)  # fmt: skip
+
+
+def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict:
+    """The recipe as a user runs it from a shell: ``rlstream broker start`` in a fresh
+    ``RLSTREAM_HOME`` (a new broker: cold JVM, no topics, no groups, nothing from earlier arms), then
+    ``rlstream run examples/next-digit.toml -s rl.max_staleness=2`` as a fresh process with the
+    user's environment (no bench settings, no thread settings, its default run dir under a fresh
+    working directory), timed from that process's start. The broker's start is not in the times
+    (a user starts it once; ``broker_start_s`` says what it took); its CPU from the run's start to
+    its end is in samples / CPU-s. The broker is stopped and its directory removed afterwards."""
+    ctx.say(f"[bench] peer {name}: new local broker, then rlstream run, k = {COLD_K}, {sz['steps']} steps")
+    home = Path(tempfile.mkdtemp(prefix="rlstream-cold-"))
+    work = ctx.out / "peer" / name
+    work.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_") or k == "RLSTREAM_CACHE"}
+    env["RLSTREAM_HOME"] = str(home)
+    status, load0, b0, cpu0, t_start, wall, pid, broker_s = (
+        "broker did not start",
+        os.getloadavg()[0],
+        None,
+        0.0,
+        time.time(),
+        0.0,
+        None,
+        None,
+    )
+    try:
+        t = time.time()
+        got = _rlstream(env, "broker", "start", timeout_s=300)
+        broker_s = round(time.time() - t, 1)
+        if got.returncode == 0:
+            state = json.loads(_rlstream(env, "broker", "status", timeout_s=60).stdout or "{}")
+            pid = state.get("pid")
+            b0, load0, cpu0 = cpu_seconds(pid), os.getloadavg()[0], cpu_children()
+            args = ["run", str(RECIPE), "-s", f"rl.max_staleness={COLD_K}", "--steps", str(sz["steps"]), "--no-live"]
+            t_start = time.time()
+            with open(work / "run.out", "w") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "rlstream", *args], env=env, cwd=work, stdout=out,
+                                        stderr=subprocess.STDOUT)  # fmt: skip
+                try:
+                    proc.wait(timeout=sz["budget_s"])
+                    status = "finished" if proc.returncode == 0 else f"exit {proc.returncode}"
+                except subprocess.TimeoutExpired:
+                    status = "budget spent"
+                finally:  # the job never outlives the bench
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                        try:
+                            proc.wait(timeout=120)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+            wall = round(time.time() - t_start, 1)
+    finally:
+        b1 = cpu_seconds(pid)
+        _rlstream(env, "broker", "stop", timeout_s=120)
+        shutil.rmtree(home, ignore_errors=True)
+    broker = round(b1 - b0, 1) if b0 is not None and b1 is not None else 0.0
+    run_dir = next((d for d in (work / "runs").glob("*") if (d / "trainer").is_dir()), work / "runs" / "next-digit")
+    steps = learn.steps_log(run_dir) if (run_dir / "trainer").is_dir() else []
+    log = [{"step": s["step"], "time": s["time"], "samples": len(s.get("used", [])),
+            "reward_mean": s.get("reward_mean") if s.get("used") else None} for s in steps]  # fmt: skip
+    samples = sum(s["samples"] for s in log)
+    report = run_dir / "report.json"
+    stage = json.loads(report.read_text()).get("longest_pause_s") if report.is_file() else None
+    cpu = round(cpu_children() - cpu0, 1) + broker if pid else 0.0
+    return {"arm": COLD, "name": name, "status": status, "wall_s": wall, **figures(log, t_start, sz["steps"]),
+            "samples_trained": samples, "cpu_s": round(cpu, 1), "broker_cpu_s": broker, "broker_start_s": broker_s,
+            "samples_per_cpu_s": rnd(samples / cpu) if cpu else None, "stage_pause_s": stage, "weights": digest,
+            "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
+
+
 def _weights(ctx: BenchContext) -> dict:
     """The model directory every arm loads, its files' fingerprint and its weights' digest."""
     from pipeline.checkpoint import model_fingerprint
@@ -202,7 +298,9 @@ def ratios(med: list[dict]) -> dict | None:
         return None
     best = min(ours, key=lambda m: m["time_to_steps_s"])
     keys = ("time_to_steps_s", "time_to_reward_s", "samples_per_cpu_s", "longest_pause_s")
-    return {"arm": best["arm"], **{k: rnd(best[k] / trl[k], 2) if best[k] and trl[k] else None for k in keys}}
+    later = rnd(best["first_step_s"] - trl["first_step_s"], 1) if best["first_step_s"] and trl["first_step_s"] else None
+    return {"arm": best["arm"], **{k: rnd(best[k] / trl[k], 2) if best[k] and trl[k] else None for k in keys},
+            "first_step_later_s": later}  # fmt: skip
 
 
 def preflight() -> None:
@@ -219,9 +317,12 @@ def run(ctx: BenchContext) -> dict:
               "runs": runs}  # fmt: skip
     for r in range(sz["repeats"]):
         layouts = sz.get("layouts", {})
-        for arm in ["trl", *(["trl1"] if sz.get("trl_one_thread") else []), *sz["ks"], *layouts]:
+        cold = ["cold"] if sz.get("cold") else []
+        for arm in ["trl", *(["trl1"] if sz.get("trl_one_thread") else []), *sz["ks"], *layouts, *cold]:
             name = f"peer-{ctx.run_id}-{arm if isinstance(arm, str) else f'k{arm}'}-r{r}"
-            if arm in layouts:
+            if arm == "cold":
+                runs.append(run_cold(ctx, name, sz, weights["digest"]))
+            elif arm in layouts:
                 runs.append(run_rlstream(ctx, name, layouts[arm][0], sz, weights["digest"], layouts[arm][1]))
             elif isinstance(arm, str):
                 runs.append(run_trl(ctx, name, sz, 1 if arm == "trl1" else None))
@@ -232,6 +333,7 @@ def run(ctx: BenchContext) -> dict:
     result["medians"] = medians(runs)
     result["ratio_best_over_trl"] = ratios(result["medians"])
     result["ratio_recipe_over_trl"] = ratios([m for m in result["medians"] if "workers" not in m["arm"]])
+    result["ratio_cold_over_trl"] = ratios([m for m in result["medians"] if m["arm"] in ("trl", COLD)])
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(ctx.out / "peer.json", result)
     return result
@@ -273,14 +375,15 @@ def table(result: dict) -> str:
          for m in result.get("medians", [])],
     )  # fmt: skip
     ratio = ""
-    for key, what in (("ratio_best_over_trl", "Best rlstream arm"), ("ratio_recipe_over_trl", "The recipe as shipped")):
+    for key, what in (("ratio_cold_over_trl", "As a user runs it (a new broker, a fresh `rlstream run`)"),
+                      ("ratio_best_over_trl", "Best rlstream arm"), ("ratio_recipe_over_trl", "The recipe as shipped")):  # fmt: skip
         r = result.get(key)
         if not r or (key == "ratio_recipe_over_trl" and r == result.get("ratio_best_over_trl")):
             continue
         ratio += (
             f"\n\n{what} over TRL (medians, {r['arm']}): time to step {n} {x(r['time_to_steps_s'])}, "
             f"time to reward {x(r['time_to_reward_s'])}, samples / CPU-s {x(r['samples_per_cpu_s'])}, "
-            f"longest pause {x(r['longest_pause_s'])}.")  # fmt: skip
+            f"longest pause {x(r['longest_pause_s'])}, first step {r.get('first_step_later_s')} s after TRL's.")  # fmt: skip
     w = result["weights"]
     head = (f"Start weights: `{w['model_dir']}`, files {w['fingerprint']}, weights digest {w['digest']} "
             f"(each TRL run reports the digest of what it loaded).\n\n")  # fmt: skip
