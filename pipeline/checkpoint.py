@@ -32,6 +32,11 @@ covers it. ``read_adapter`` verifies and returns both. ``model_fingerprint`` nam
 weights (the notice's ``base_sha256``). ``gc_versions`` keeps the newest few version directories
 and those ``<store>/pins/`` names (``pipeline.best``: the best by held-out eval, the one being evaluated).
 
+A write that fails (a full disk, a failing store) leaves no temp file behind; ``remove_version``
+deletes a version directory whose write failed, so a retry starts clean (``pipeline.store_guard``
+retries). ``faultfile://`` stores are local directories that slow down and fail on command
+(``pipeline.faultfs``, for tests and fault runs).
+
 Not here: trainer checkpoints (optimizer state, consumed offsets: the trainer's own business; they
 may reuse ``atomic_write_bytes``), nor the decision of when an engine swaps weights in.
 torch and safetensors are imported inside functions only.
@@ -39,6 +44,7 @@ torch and safetensors are imported inside functions only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -52,12 +58,13 @@ from pathlib import Path
 
 import fsspec
 
-from pipeline import safetensors_io
+from pipeline import faultfs, safetensors_io
 from pipeline.errors import RlstreamError
 from pipeline.log import kv
 from pipeline.safetensors_io import CHUNK
 
 log = logging.getLogger(__name__)
+faultfs.register()  # ``faultfile://`` stores: a local disk that slows down and fails on command (tests, chaos)
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -109,9 +116,15 @@ def atomic_write_bytes(uri: str, data: bytes) -> None:
     parent = path.rsplit("/", 1)[0]
     fs.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{time.monotonic_ns()}"
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)  # a rename on local disks; object stores make a whole object visible at once
+    try:
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        fs.mv(tmp, path)  # a rename on local disks; object stores make a whole object visible at once
+    except BaseException:  # a full disk, a failing store: no half-written temp file stays behind
+        with contextlib.suppress(Exception):
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        raise
 
 
 def exists(uri: str) -> bool:
@@ -172,6 +185,16 @@ def create_exclusive(uri: str, data: bytes) -> bool:
 
 def version_dir(store: str, version: int) -> str:
     return join(store, f"v{version:08d}")
+
+
+def remove_version(store: str, version: int) -> bool:
+    """Delete ``<store>/v<version>/`` and everything in it (a version whose write failed and that
+    no notice names). Returns whether there was one."""
+    fs, path = _fs(version_dir(store, version))
+    if not fs.exists(path):
+        return False
+    fs.rm(path, recursive=True)
+    return True
 
 
 def weights_format(uri: str) -> str:

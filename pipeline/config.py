@@ -288,6 +288,16 @@ class LivenessConfig(StrictModel):
     loading, topic not created yet) with backoff for this long, then fails with a clear message."""
     outage_s: float = Field(300.0, ge=1, le=86_400)
     """A broker outage shorter than this is ridden out: produce/flush/commit wait and retry."""
+    disk_full_timeout_s: float = Field(1800.0, ge=0, le=30 * 86_400)
+    """How long a role pauses on a full disk (``ENOSPC``) under the weights store or its checkpoint
+    dir before it gives up and exits non-zero. While paused it says ``disk full at <dir> (need N MB
+    free, M MB left); paused`` on screen, keeps its place (nothing is committed for the write that
+    failed, half-written files are removed, the previous weights stay live) and resumes by itself
+    within a second of space being freed. 0 = pause as long as it takes."""
+    store_slow_s: float = Field(30.0, ge=1, le=86_400)
+    """A write to the weights store or a checkpoint dir still running after this long is said on
+    screen (``weights store slow: ...``) until it ends; ``slow_op_s`` still bounds it. A store that
+    fails (I/O errors, timeouts) is retried with backoff for ``outage_s``, also said on screen."""
     broker_check_s: float = Field(5.0, ge=0, le=3600)
     """A command run by hand (not by rlstream's supervisor) first checks that a broker answers
     within this long and, if none does, stops with one line and exit code 2. 0 = no check: the

@@ -12,6 +12,11 @@ before the notice exists, and the notice carries the trainer's consumed-group co
 (``consumed_groups``, admission control: pipeline.control). ``start_signer``: the signer of this
 start's notices (the job's notice key and a new writer epoch: ``pipeline.notice_auth``).
 
+With a ``guard`` (``pipeline.store_guard.StoreGuard``) the write rides out storage faults: on a
+full disk or a failing store the version directory is removed (no notice names it: the previous
+version stays live), the fault is said on screen, and the write is tried again until it succeeds
+or its bound is spent.
+
 What this is not: the order of the checkpoint protocol (``worker.Trainer._checkpoint``) nor the
 publishing call itself (``pipeline.control.publish_weight_update``).
 """
@@ -24,6 +29,7 @@ from pathlib import Path
 from pipeline.checkpoint import (
     FORMAT,
     notice_key_uri,
+    remove_version,
     version_dir,
     weights_format,
     write_adapter,
@@ -62,11 +68,29 @@ def write_version(
     base_sha256: str = "",
     write_full=write_weights,
     model_dir=None,
+    guard=None,
 ) -> dict:
     """Write ``state_dict`` (what ``engine.state_dict()`` returned) as version ``version``; returns
     the WeightUpdate record to publish once the trainer's own checkpoint is durable.
     ``write_full``: the full-weights writer (the trainer passes its module's, which benchmarks time);
-    ``model_dir``: where config and tokenizer come from with ``publish_hf`` (default: the engine's)."""
+    ``model_dir``: where config and tokenizer come from with ``publish_hf`` (default: the engine's);
+    ``guard``: rides out storage faults (see the module doc)."""
+    args = (engine, state_dict, store, version, step, trainer_cfg, consumed, base_sha256, write_full, model_dir)
+    if guard is None:
+        return _write_version(*args)
+
+    def attempt() -> dict:  # what a failed try (or a crash) left whose cleanup failed too goes first
+        remove_version(store, version)  # no notice names this version yet: nothing reads it
+        return _write_version(*args)
+
+    need = sum(t.numel() * t.element_size() for t in state_dict.values())
+    return guard.call(
+        attempt, f"writing weights v{version}", version_dir(store, version), need,
+        lambda: remove_version(store, version),
+    )  # fmt: skip
+
+
+def _write_version(engine, state_dict, store, version, step, trainer_cfg, consumed, base_sha256, write_full, model_dir):
     update = {
         "version": version,
         "step": step,
@@ -92,11 +116,14 @@ def write_version(
     return update
 
 
-def start_signer(store: str, ptr: dict | None) -> NoticeSigner | None:
+def start_signer(store: str, ptr: dict | None, guard=None) -> NoticeSigner | None:
     """This start's notice signer (``pipeline.notice_auth``): the job's key, created by a trainer
     that starts afresh, and a new writer epoch. A trainer resuming a checkpoint of an older rlstream
-    (unsigned notices, no key in the store) keeps publishing unsigned notices, with a warning."""
-    signer = NoticeSigner.start(store, create=ptr is None)
+    (unsigned notices, no key in the store) keeps publishing unsigned notices, with a warning.
+    ``guard``: writing the epoch rides out storage faults (a trainer restarted on a full disk waits
+    there, saying so, instead of failing its start again and again)."""
+    start = lambda: NoticeSigner.start(store, create=ptr is None)  # noqa: E731
+    signer = start() if guard is None else guard.call(start, "writing the notice writer epoch", store)
     if signer is None and is_signed((ptr or {}).get("update") or {}):
         raise RlstreamError(
             f"this job signs its weight notices but its notice key {notice_key_uri(store)} is gone: restore it "

@@ -19,6 +19,11 @@ or missing one is skipped with one loud warning, and the next older one is used 
 offsets (so what it had not consumed is consumed again, and trained once). None valid:
 ``CheckpointDamaged``, one line naming the file.
 
+Writes go through ``guard`` (a ``pipeline.store_guard.StoreGuard``, set by the trainer): on a full
+disk or a failing store each write removes what it half-wrote (a tag directory, the steps-log lines
+it appended, a temp pointer), pauses with the fault said on screen, and is tried again; nothing is
+committed until the pointer is written whole.
+
 Not the published weights: those go to ``cfg.store`` via ``pipeline.checkpoint.write_weights``.
 """
 
@@ -37,6 +42,7 @@ from pipeline.checkpoint import atomic_write_bytes
 from pipeline.errors import CheckpointDamaged, RlstreamError
 from pipeline.log import kv
 from pipeline.pidlock import PidLock
+from pipeline.store_guard import StoreGuard, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ class TrainerCheckpoints:
         self.root = Path(root)
         self.ckpts = self.root / "ckpts"
         self._lock = PidLock(self.root / ".lock")
+        self.guard = StoreGuard(None)
+        """Runs the writes below through storage faults (the trainer sets one that says them on screen)."""
 
     def lock(self):
         """Hold an exclusive lock on the directory (``.lock``); RlstreamError if another trainer has it."""
@@ -175,7 +183,10 @@ class TrainerCheckpoints:
 
     def write_pointer(self, state: dict) -> None:
         """Keep the current pointer as ``checkpoint.json.prev`` (if it is intact), then replace it;
-        both writes atomic."""
+        both writes atomic (through ``guard``)."""
+        self.guard.call(lambda: self._write_pointer(state), "writing the trainer checkpoint pointer", str(self.root))
+
+    def _write_pointer(self, state: dict) -> None:
         p = self.root / POINTER
         try:
             _parse_pointer(p)
@@ -191,15 +202,47 @@ class TrainerCheckpoints:
     def tag_dir(self, tag: str) -> Path:
         return self.ckpts / tag
 
+    def save_engine(self, engine, tag: str) -> None:
+        """``engine.save`` into the tag's directory (through ``guard``: a failed try's directory is
+        removed before the next)."""
+        d = self.tag_dir(tag)
+        need = (
+            max((tree_bytes(str(x)) for x in self.ckpts.iterdir() if x.name != tag), default=0)
+            if self.ckpts.is_dir()
+            else 0
+        )
+
+        def attempt() -> None:
+            shutil.rmtree(d, ignore_errors=True)  # what a failed try left
+            engine.save(d)
+
+        self.guard.call(
+            attempt, f"writing trainer checkpoint {tag}", str(self.root), need,
+            lambda: shutil.rmtree(d, ignore_errors=True),
+        )  # fmt: skip
+
     def append_steps(self, entries: list[dict]) -> None:
+        """Append (and fsync) one line per step, through ``guard``: a failed try's lines are cut
+        before the next, so no step is logged twice."""
         if not entries:
             return
+        need = sum(len(json.dumps(e)) + 1 for e in entries)
+        self.guard.call(lambda: self._append_steps(entries), "appending to the trainer steps log", str(self.root), need)
+
+    def _append_steps(self, entries: list[dict]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / STEPS_LOG, "a") as f:
-            for e in entries:
-                f.write(json.dumps(e, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        path = self.root / STEPS_LOG
+        size = path.stat().st_size if path.is_file() else 0
+        try:
+            with open(path, "a") as f:
+                for e in entries:
+                    f.write(json.dumps(e, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with open(path, "r+b") as f:  # cut what this try appended: whole lines only, none twice
+                f.truncate(size)
+            raise
 
     def truncate_steps(self, max_step: int) -> int:
         """Keep only whole lines with ``step <= max_step``. Returns how many lines were cut."""
@@ -218,7 +261,9 @@ class TrainerCheckpoints:
             else:
                 cut += 1
         if cut:
-            atomic_write_bytes(str(path), "".join(x + "\n" for x in keep).encode())
+            data = "".join(x + "\n" for x in keep).encode()
+            self.guard.call(lambda: atomic_write_bytes(str(path), data), "cutting the trainer steps log",
+                            str(self.root), len(data))  # fmt: skip
         return cut
 
     def gc(self, keep: list[str]) -> list[str]:

@@ -49,6 +49,7 @@ from pipeline.log import kv
 from pipeline.metrics import WorkerMetrics
 from pipeline.models import load_model, materialize
 from pipeline.notice_auth import NoticeSigner
+from pipeline.store_guard import StoreGuard
 from pipeline.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Trainer(Worker):
             raise ConfigError("trainer.standby: one process per trainer only (not under torchrun or deepspeed)")
         self.root = trainer_root(cfg)
         self.ckpts = TrainerCheckpoints(self.root)
+        self.ckpts.guard = StoreGuard(cfg.liveness, self)  # a full disk or failing store: paused, said, retried
         self._lock = None
         self.producer = self.consumer = self.metrics = None
         self.step_beat: StepHeartbeat | None = None  # rank 0: in-step progress on rl.metrics
@@ -213,7 +215,7 @@ class Trainer(Worker):
         """Make rl.control agree with the checkpoint: re-publish its notice if a crash came before it.
         Only this trainer's own notices count (``writer``, and signed with the job's notice key by
         this trainer: ``pipeline.notice_auth``): one it did not write never blocks it."""
-        self.signer = start_signer(self.cfg.store, ptr)
+        self.signer = start_signer(self.cfg.store, ptr, self.ckpts.guard)
         follower = ControlFollower(self.cfg, "trainer", self.tc.trainer_id, writer=self.tc.trainer_id)
         try:
             latest = follower.catch_up(self.liveness.startup_timeout_s)
@@ -430,12 +432,13 @@ class Trainer(Worker):
             update = write_version(
                 self.engine, sd, self.cfg.store, self.version, self.step, self.tc, self.consumed, self._base_sha,
                 write_full=write_weights,  # looked up here, so rlstream.dev.bench.trainer_steps can time it
+                guard=self.ckpts.guard,
             )  # fmt: skip
             update = self._signed(update)
             self.metrics.set("weights_write_ms", (time.monotonic() - t0) * 1e3)
         del sd
         t1 = time.monotonic()
-        self.engine.save(self.ckpts.tag_dir(tag))
+        self.ckpts.save_engine(self.engine, tag)
         barrier(self.world)
         if self.rank != 0:
             return
