@@ -90,6 +90,11 @@ def exit_without_teardown(code: int, why: str) -> None:
     os._exit(code)
 
 
+STOPPED_GAP_S = 10.0
+"""A watchdog tick (every 0.5 s) that came this much later means the process was stopped: the
+time it stood still does not count against the main loop's limit."""
+
+
 class Watchdog:
     """Kills the process, loudly, when its main loop stops beating or a stop takes too long."""
 
@@ -167,8 +172,14 @@ class Watchdog:
         self.stopping()
 
     def _watch(self) -> None:
+        last = time.monotonic()
         while not self._wait(0.5):
             now = time.monotonic()
+            gap, last = now - last, now
+            if gap > STOPPED_GAP_S:  # the whole process was stopped (SIGSTOP, a paused VM): no thread ran,
+                self._deadline += gap  # so the time is not the loop's; a stop asked for keeps its bound
+                log.warning("this process was stopped for %.0f s (SIGSTOP or a paused machine); going on %s",
+                            gap, kv(worker=self.name, section=self._what))  # fmt: skip
             if self._stop_deadline is not None and now > self._stop_deadline:
                 self._die(f"still running {self.shutdown_s:.0f} s after it was asked to stop (in {self._what})")
             if now > self._deadline:

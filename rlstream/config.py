@@ -132,6 +132,13 @@ class JobConfig(StrictModel):
     copied as it is). false = export nothing."""
     dataset: DatasetConfig | None = None
     """Generate the training data with a built-in generator instead of ``feed.source``."""
+    memory_limit_mb: dict[Literal["feed", "rollout", "reward", "train", "eval"], int] = {}
+    """Run each role of that kind under a memory limit in MB, e.g. ``{reward = 2000, rollout =
+    12000}``: a memory cgroup of its own where the machine allows one (Linux, cgroup v1 or v2, with
+    permission), over which the kernel's OOM killer kills it; else RLIMIT_AS (address space, which
+    counts more than memory: give a larger limit). The launcher says ``reward-0 was killed by the
+    kernel's OOM killer (memory limit 2000 MB); restarting`` and restarts it like any dead role.
+    Empty (the default): no limit."""
     metrics_port_base: int = Field(0, ge=0, le=65000)
     """Serve Prometheus /metrics: rollout-i on base+i, reward-i on base+10+i, trainer on base+20,
     eval on base+30 (blocks of 10 ports; wider blocks, of the larger worker count, beyond 10 workers
@@ -140,6 +147,8 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _ports_fit(self):
+        if small := {k: v for k, v in self.memory_limit_mb.items() if not 64 <= v <= 16_777_216}:
+            raise ValueError(f"job.memory_limit_mb: {small}: each limit must be from 64 to 16777216 MB")
         if self.metrics_port_base:
             top = self.metrics_port_base + 4 * max(10, self.rollout_workers, self.reward_workers) - 1
             if top > 65535:

@@ -6,9 +6,11 @@ them all by PID.
 Every start, exit (with its cause), injected signal, restart, hang and stop is an event: kept in
 ``Supervisor.events`` and appended to ``<log_dir>/events.jsonl`` as it happens. An exit is
 ``finished`` (exit 0 of a child that may finish), ``injected`` (after a signal sent with
-``inject``, e.g. a fault run's kill -9: restarted at the base backoff and not counted towards the
+``inject``, e.g. a fault run's kill -9: restarted at once and not counted towards the
 crash-loop budget), ``hung`` (exit code 75 from a role's own watchdog, or ``declare_hung``),
-``crash`` (any other non-zero exit) or ``exited`` (exit 0 of a child that should keep running).
+``oom`` (killed by the kernel for going over the memory limit it runs under, ``limit_memory``,
+said in one line), ``crash`` (any other non-zero exit) or ``exited`` (exit 0 of a child that should
+keep running).
 
 Children never outlive the supervisor: each is told the supervisor's PID (``RLSTREAM_PARENT_PID``)
 and asks the kernel for SIGTERM when its parent dies (``pipeline.worker.die_with_parent``), so even
@@ -38,6 +40,7 @@ from pathlib import Path
 from pipeline.errors import EXIT_CONFIG, RlstreamError
 from pipeline.log import kv
 from rlstream.forkserver import ForkedProc, ForkServer
+from rlstream.memory_limit import MemoryLimit
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 75  # pipeline.worker.EXIT_HUNG: a role's watchdog found it hung
@@ -62,8 +65,10 @@ class CrashLoop(ChildDied):
 
 @dataclass
 class RestartPolicy:
-    """Restart a dead (or hung) child after ``backoff_s`` doubling up to ``max_backoff_s``; more than
-    ``max_restarts`` restarts of one child within ``window_s`` is a crash loop."""
+    """Restart a dead (or hung) child at once the first time within ``window_s``, then after
+    ``backoff_s`` doubling up to ``max_backoff_s`` (a restart is safe by design, and each second of a
+    first restart is a second the pipeline waits); more than ``max_restarts`` restarts of one child
+    within ``window_s`` is a crash loop."""
 
     max_restarts: int = 5
     window_s: float = 300.0
@@ -85,6 +90,7 @@ class Child:
     last_code: int | None = None
     expect: tuple[str, int] | None = None  # (cause, signal) of a signal we sent: its exit is no crash
     stop_deadline: float | None = None  # retiring (SIGTERM sent): SIGKILL after this
+    memory: MemoryLimit | None = None  # the memory limit it runs under (and its restarts)
 
     def tail(self, lines: int = 20, skip_client_log: bool = False) -> str:
         """The last ``lines`` lines of the child's log (``skip_client_log``: without librdkafka's own
@@ -119,6 +125,7 @@ class Supervisor:
         self.events: list[dict] = []
         self.t0 = time.monotonic()
         self._events_path = self.log_dir / "events.jsonl"
+        self._old_limits: list[MemoryLimit] = []  # replaced by another: removed at the end
         self.forks = forks  # started by the caller (its environment must be ``env``), or here
         if forks is None and preload is not None and sys.platform.startswith("linux"):
             self.forks = ForkServer(self.env, preload)
@@ -153,8 +160,12 @@ class Supervisor:
                 start_new_session=True,  # Ctrl-C reaches the supervisor, which stops children in order
             )
 
-    def start(self, name: str, args: list[str], may_exit: bool = False, env: dict | None = None) -> Child:
-        """Start ``python -m rlstream <args>`` (or a full argv if it starts with '/')."""
+    def start(
+        self, name: str, args: list[str], may_exit: bool = False, env: dict | None = None,
+        memory_limit_mb: int | None = None,
+    ) -> Child:  # fmt: skip
+        """Start ``python -m rlstream <args>`` (or a full argv if it starts with '/'); with
+        ``memory_limit_mb``, under that memory limit (``limit_memory``), its restarts too."""
         argv = args if args and os.path.isabs(args[0]) else [sys.executable, "-m", "rlstream", *args]
         log_path = self.log_dir / f"{name}.log"
         full_env = {**self.env, **(env or {})}
@@ -162,7 +173,38 @@ class Supervisor:
         self.children[name] = child
         self.event("start", name, pid=child.proc.pid, **_forked(child.proc))
         log.info("started %s", kv(name=name, pid=child.proc.pid, log=log_path))
+        if memory_limit_mb:
+            self.limit_memory(name, memory_limit_mb)
         return child
+
+    def limit_memory(
+        self, name: str, mb: int | None, restarts: bool = True, *, running: bool = True, until_oom: bool = False
+    ) -> MemoryLimit | None:
+        """Put a child under a memory limit of ``mb`` MB: a memory cgroup where one can be made (over
+        it, the kernel's OOM killer kills it), else RLIMIT_AS (``rlstream.memory_limit``); the
+        running process (``running``) and its restarts (``restarts``; ``until_oom``: only until one
+        is killed for it). An exit it causes is said in one line (``<name> was killed by the kernel's
+        OOM killer (memory limit N MB); restarting``) and restarted per the policy. ``mb`` None
+        lifts the limit now, for the running child and its restarts."""
+        c = self.children[name]
+        if mb is None:
+            if c.memory is not None:
+                c.memory.lift()
+                c.memory.restarts = False
+            return None
+        pid = c.proc.pid if running else None
+        if c.memory is not None and c.memory.mb == mb:
+            if pid is not None:
+                c.memory.attach(pid)
+        else:
+            if c.memory is not None:
+                c.memory.lift()
+                self._old_limits.append(c.memory)
+            c.memory = MemoryLimit.apply(pid, name, mb)
+        c.memory.restarts, c.memory.until_oom = restarts, until_oom
+        self.event("memory_limit", name, pid=pid, limit_mb=mb, how=c.memory.kind, restarts=restarts,
+                   until_oom=until_oom)  # fmt: skip
+        return c.memory
 
     def check(self) -> list[str]:
         """Handle exited children: return names that finished normally (exit 0, ``may_exit``);
@@ -186,32 +228,39 @@ class Supervisor:
                 finished.append(c.name)
             else:
                 self._died(c, code, now)
+                if c.restart_at is not None and c.restart_at <= now:  # no backoff: now, not next check
+                    self._restart(c)
         return finished
 
     def _died(self, c: Child, code: int, now: float, why: str = "") -> None:
         injected = c.expect is not None and (code == -c.expect[1] or c.expect[1] != signal.SIGKILL)
+        limited = c.memory is not None and c.memory.pid == c.proc.pid  # this process ran under it
+        oom = c.memory.why_dead(code, c.tail(40)) if limited and not why else None
         if injected:
             cause = f"injected: {c.expect[0]}"
         elif why:
             cause = "hung"
+        elif oom:
+            cause, why = "oom", f" ({oom})"
+            if c.memory.until_oom:  # killed for it: the restart runs without it
+                c.memory.lift()
+                c.memory.restarts = False
         else:
             cause = "hung" if code == EXIT_HUNG else ("crash" if code != 0 else "exited")
         c.expect = None
         self.event(
-            "exit", c.name, pid=c.proc.pid, code=code, cause=cause, why=why.strip(" ()") or None,
+            "exit", c.name, pid=c.proc.pid, code=code, cause=cause, why=oom or why.strip(" ()") or None,
             **({} if injected else {"log_tail": c.tail(80, skip_client_log=True)}),
         )  # fmt: skip
         if self.policy is None:
             raise ChildDied(c.name, code, c.tail(), why)
         if code == EXIT_CONFIG and not injected:  # a mistake in its config: a restart cannot mend it
             raise ChildDied(c.name, code, c.tail(), " (a configuration error: not restarted)")
-        if injected:  # our own fault injection: restart promptly, no crash-loop budget spent
-            c.last_code, c.restart_at = code, now + self.policy.backoff_s
+        if injected:  # our own fault injection: a first death each time, no crash-loop budget spent
+            c.last_code, c.restart_at = code, now
             log.info("child killed by us; restarting %s", kv(name=c.name, code=code, cause=cause))
             with open(c.log_path, "a") as f:
-                f.write(
-                    f"\n[supervisor] {c.name} exited with code {code} ({cause}); restart in {self.policy.backoff_s:.1f} s\n"
-                )
+                f.write(f"\n[supervisor] {c.name} exited with code {code} ({cause}); restart now\n")
             return
         while c.restarts and now - c.restarts[0] > self.policy.window_s:
             c.restarts.popleft()
@@ -220,9 +269,12 @@ class Supervisor:
             raise CrashLoop(
                 c.name, code, c.tail(40), f"{why}; {len(c.restarts)} restarts within {self.policy.window_s:.0f} s"
             )
-        delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** len(c.restarts))
+        n = len(c.restarts)  # the first death in the window: no backoff
+        delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (n - 1)) if n else 0.0
         c.restarts.append(now)
         c.last_code, c.restart_at = code, now + delay
+        if oom:  # the one line that says it
+            log.warning("%s; restarting %s", oom, kv(code=code, in_s=delay, restarts=len(c.restarts)))
         log.warning(
             "child died; restarting %s",
             kv(name=c.name, code=code, why=why or "-", in_s=delay, restarts=len(c.restarts)),
@@ -234,6 +286,11 @@ class Supervisor:
         c.restart_at = None
         c.proc = self._spawn(c.argv, c.log_path, c.env)
         c.started_at = time.monotonic()
+        if c.memory is not None and c.memory.restarts:
+            try:
+                c.memory.attach(c.proc.pid)
+            except OSError as exc:  # the cgroup went away: the role runs on, without the limit
+                log.warning("could not put a restarted role under its memory limit %s", kv(name=c.name, error=exc))
         self.restarts_total += 1
         self.event("restart", c.name, pid=c.proc.pid, restarts=len(c.restarts), **_forked(c.proc))
         log.info("restarted %s", kv(name=c.name, pid=c.proc.pid, restarts=len(c.restarts)))
@@ -332,6 +389,8 @@ class Supervisor:
 
     def stop_all(self, timeout: float = 40.0) -> dict[str, int | None]:
         """SIGTERM everyone first (so they shut down in parallel), then wait, then SIGKILL."""
+        limits = [c.memory for c in (*self.children.values(), *self.retiring.values()) if c.memory is not None]
+        limits += self._old_limits
         running = set()
         for c in self.children.values():
             if c.proc.poll() is None:
@@ -361,6 +420,8 @@ class Supervisor:
                 self._force_stop(c, timeout)
             codes[name] = c.proc.returncode
         self.retiring.clear()
+        for limit in limits:  # every process under it is gone
+            limit.close()
         if self.forks is not None:
             self.forks.close()
         return codes

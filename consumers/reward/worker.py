@@ -13,10 +13,14 @@ thread while the main thread collects and scores batch N+1, and every rebalance 
 waits for that commit to end, so a partition is never handed over with its transaction pending.
 Transaction N+1 begins only once N has committed. If a transaction fails with a non-fatal error it
 is aborted and the consumer seeks back to the batch's first offsets (and drops the next batch,
-read meanwhile), so nothing is skipped. A fatal error (e.g. fenced by a newer instance with the
-same transactional id) stops the worker with an error. That protocol (begin, produce, offsets,
-commit, abort and rewind, a wedged producer replaced, the commit thread) is
-``pipeline.kafka.ExactlyOnceLoop``'s; this worker collects, scores and says what to produce.
+read meanwhile), so nothing is skipped. A worker that stood still past its session timeout
+(SIGSTOP, a paused machine) finds its offsets refused when it wakes, since the group gave its
+partitions to another member: it aborts, says ``could not commit: ...`` and goes on. A fatal error
+(fenced by a newer instance with the same transactional id, or by the broker when the transaction
+outlived ``reward.transaction_timeout_ms``) stops the worker, for a restart, with an error that
+names both causes. That protocol (begin, produce, offsets, commit, abort and rewind, a wedged
+producer replaced, the commit thread) is ``pipeline.kafka.ExactlyOnceLoop``'s; this worker
+collects, scores and says what to produce.
 
 What it is not: it never commits offsets outside a transaction and never writes partial batches.
 """
@@ -30,7 +34,7 @@ import time
 from consumers.reward.metrics import RewardMetrics
 from libs.rewards.pool import make_pool
 from pipeline.control import now_ms
-from pipeline.errors import ConsumeError, DecodeError, DeliveryError
+from pipeline.errors import ConsumeError, DecodeError, DeliveryError, KafkaClientError
 from pipeline.kafka import Consumer, ExactlyOnceLoop, Producer, client_conf, decode_message
 from pipeline.log import kv
 from pipeline.records import check_trajectory
@@ -119,7 +123,7 @@ class RewardWorker(Worker):
             section=self.section,
             retry=self.startup_call,
             committed=self._committed,
-            aborted=lambda _exc: self.metrics.aborted(),
+            aborted=self._aborted,
             replaced=lambda _exc: self.metrics.m.inc("producers_replaced"),
             stop_left=self.stop_time_left,
             chaos_delay_s=rc.chaos_delay_in_txn_ms / 1000,
@@ -165,6 +169,18 @@ class RewardWorker(Worker):
                 raise
             self._renew_fenced_consumer(exc)
             return True
+        except KafkaClientError as exc:
+            if not _fenced_producer(exc):
+                raise
+            raise KafkaClientError(
+                f"could not commit: this worker's transactional producer was fenced (transactional id "
+                f"{self.transactional_id!r}): the broker aborted its open transaction, because it stayed open "
+                f"past reward.transaction_timeout_ms={self.rc.transaction_timeout_ms} (the process was stopped "
+                f"or cut off that long) or because another worker started with the same reward.worker_id; "
+                f"exiting so that a restart reads on from the committed offsets (nothing the aborted "
+                f"transaction wrote is read) ({exc})",
+                exc.kafka_error,
+            ) from exc
         self.metrics.maybe_publish()
         self._metrics_producer.poll(0)
         return True
@@ -373,6 +389,18 @@ class RewardWorker(Worker):
             dead.append((error_type, ms))
         return scored, dead
 
+    def _aborted(self, exc: Exception) -> None:
+        """A transaction was aborted; one that the group refused says why in one line."""
+        self.metrics.aborted()
+        if _left_group(exc):
+            log.warning(
+                "could not commit: the group moved this worker's partitions to another member while it "
+                "was stopped or cut off past reward.session_timeout_ms; its transaction is aborted "
+                "(nothing it wrote is read), the new owner scores the batch, and this worker goes on "
+                "with what the group assigns it now %s",
+                kv(worker_id=self.worker_id, session_timeout_ms=self.rc.session_timeout_ms, error=exc),
+            )
+
     def _committed(self, result: tuple[list, list], txn_ms: float) -> None:
         scored, dead = result
         self.metrics.committed(scored, dead, txn_ms)
@@ -410,6 +438,23 @@ def whole_groups(msgs: list, group_size: int) -> bool:
             return False
         counts[key] = counts.get(key, 0) + 1
     return all(n >= group_size for n in counts.values())
+
+
+GROUP_REFUSALS = frozenset({"UNKNOWN_MEMBER_ID", "ILLEGAL_GENERATION", "FENCED_MEMBER_EPOCH", "STALE_MEMBER_EPOCH"})
+"""Answers of the group coordinator to a transaction's offsets from a member it no longer knows at
+that generation (classic protocol) or member epoch (KIP-848): its partitions are someone else's."""
+
+
+def _fenced_producer(exc: BaseException) -> bool:
+    """The transactional producer was fenced: its epoch was bumped by a newer producer with its
+    transactional id, or by the broker when its transaction timed out."""
+    ke = getattr(exc, "kafka_error", None)
+    return ke is not None and ke.name() in ("PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH", "_FENCED")
+
+
+def _left_group(exc: BaseException) -> bool:
+    ke = getattr(exc, "kafka_error", None)
+    return ke is not None and ke.name() in GROUP_REFUSALS
 
 
 def _fmt(partitions) -> str:
