@@ -137,8 +137,8 @@ class RolloutWorker(Worker):
         log.info("rollout worker started %s", kv(worker=wid, engine=self.engine.name, version=self.engine.version))
 
     def _join(self) -> None:
-        """Join the rollout group on rl.prompts: a dynamic member, or the static member of the slot
-        held (``producers.slots``)."""
+        """Join the rollout group on rl.prompts: a dynamic member, or a static one, under the slot held
+        (``producers.slots``) or ``rollout.group_instance_id``."""
         cconf = {  # the user's kafka.consumer settings (in client_conf) win over these two
             "heartbeat.interval.ms": self.rc.heartbeat_interval_ms,
             "session.timeout.ms": self.rc.session_timeout_ms,
@@ -147,6 +147,8 @@ class RolloutWorker(Worker):
         }
         if self.slots is not None:
             cconf["group.instance.id"] = self.slots.instance_id(self.slots.held)
+        elif self.rc.group_instance_id:  # restarted within the session timeout: its partitions at once
+            cconf["group.instance.id"] = self.rc.group_instance_id
         self.consumer = Consumer(cconf, group_id=self.rc.group_id)
         self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
         self.commits.subscribe(self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed)

@@ -9,7 +9,9 @@ joins under the dead worker's ``group.instance.id`` at once: the coordinator han
 member's partitions without a rebalance, instead of leaving them unowned for a session timeout and
 then moving them (a rollout kill cost the trainer 4.5-5.7 s at the broker's 6 s floor). The new
 member reads from the committed prompt offsets, as any restart does (nothing lost; the trainer
-drops repeated trajectory ids). A restarted worker finds the slots held and becomes the spare.
+drops repeated trajectory ids). A restarted worker finds the slots held and becomes the spare;
+with no spare (``rollout.slots`` = the number of workers, no ``job.rollout_standby``) it takes back
+the slot it left, and with it its partitions, again without a rebalance.
 
 What it costs: one more process with the model loaded (a spare holds its engine's memory), and a
 static member does not leave the group on a clean stop either: its partitions wait for a spare, a
