@@ -52,6 +52,7 @@ from rlstream.forkserver import FIRST_COMMANDS, ForkServer
 from rlstream.lease import JobLease
 from rlstream.progress import Progress, mean_reward, render
 from rlstream.report import plot_report, write_report
+from rlstream.role_states import RoleStates
 from rlstream.stall import StallWatch
 from rlstream.supervisor import ChildDied, RestartPolicy, Supervisor
 
@@ -245,6 +246,8 @@ class Launcher:
         self.report: dict = {}
         self.t_start = time.monotonic()
         self.hang_after_s = 2 * cfg.liveness.watchdog_s + 30
+        self.role_states = RoleStates(self.hang_after_s)
+        """Says a live role that is stopped or silent (a fault it cannot say itself)."""
         self._last_tracked = 0.0
         self._worker_of = {self._worker_id(r): r.name for r in roles}
         self._trainer_done_at: float | None = None
@@ -283,7 +286,8 @@ class Launcher:
             self.start_role(sup, r, config_path)
 
     def start_role(self, sup: Supervisor, r: RoleSpec, config_path: Path) -> None:
-        sup.start(r.name, [r.command, "--config", str(self.role_config(r, config_path))], may_exit=r.may_exit)
+        sup.start(r.name, [r.command, "--config", str(self.role_config(r, config_path))], may_exit=r.may_exit,
+                  memory_limit_mb=self.cfg.job.memory_limit_mb.get(r.command))  # fmt: skip
 
     def role_config(self, r: RoleSpec, config_path: Path) -> Path:
         """The config file a role starts with: the run's, or with the role's own settings (and its
@@ -374,6 +378,7 @@ class Launcher:
                 self._drain_metrics(metrics, 0.5)
                 finished = sup.check()
                 self._check_hangs(sup)
+                self._say_role_states(sup)
                 self._restarts = sup.restarts()
                 now = time.monotonic()
                 if now - self._last_tracked > 10:
@@ -491,6 +496,18 @@ class Launcher:
         ]
         path.write_text(json.dumps(groups, indent=2))
         return path
+
+    def _say_role_states(self, sup: Supervisor) -> None:
+        """One line when a live role's process is stopped or its metrics go silent, one when it moves
+        again (``rlstream.role_states``); both in the run's fault log."""
+        now, mono = time.time(), time.monotonic()
+        live = {name: c.proc.pid for name, c in sup.children.items() if sup.alive(name)}
+        started = {name: now - (mono - sup.children[name].started_at) for name in live}
+        quiet = dict(hung_roles(self.progress.workers, self._worker_of, started, now, self.role_states.quiet_s))
+        for rec, line in self.role_states.check(live, quiet, now):
+            if rec["end"] is None:
+                self.progress.fault_log.append(rec)
+            self.console.print(escape(f"{rec['worker']}: {line}"), style="yellow", highlight=False, soft_wrap=True)
 
     def _check_hangs(self, sup: Supervisor) -> None:
         """Kill and restart the roles ``hung_roles`` finds hung."""
