@@ -100,6 +100,10 @@ class LocalBroker(RunningState, BrokerSecurity):
         """The security mode (and SCRAM users) the storage was formatted with."""
         self._watch: subprocess.Popen | None = None
         """The watcher that stops the broker if this process dies (``start(owned=True)``)."""
+        self.advertised_port: int | None = None
+        """Set before ``start``: clients are told the broker is at this port of ``host`` (a proxy in
+        front of it, ``rlstream.dev.faultproxy``), and its bootstrap is that address; the broker's
+        own traffic to itself uses a plaintext listener of its own."""
 
     @property
     def secured(self) -> bool:
@@ -130,6 +134,12 @@ class LocalBroker(RunningState, BrokerSecurity):
         )
         if self.secured:
             props.update(self._security_properties())
+        if self.advertised_port:
+            internal = free_port(host)
+            props["listeners"] += f",INTERNAL://{host}:{internal}"
+            props["advertised.listeners"] = f"{listener}://{host}:{self.advertised_port},INTERNAL://{host}:{internal}"
+            props["inter.broker.listener.name"] = "INTERNAL"
+            props["listener.security.protocol.map"] += ",INTERNAL:PLAINTEXT"
         props.update(self.cfg.properties)
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
@@ -176,7 +186,7 @@ class LocalBroker(RunningState, BrokerSecurity):
             "pid": proc.pid,
             "port": port,
             "controller_port": controller_port,
-            "bootstrap": f"{self.cfg.host}:{port}",
+            "bootstrap": f"{self.cfg.host}:{self.advertised_port or port}",
             "data_dir": str(self.data_dir),
             "started_at": time.time(),
             "security": self.cfg.security,
