@@ -31,8 +31,9 @@ BENCHMARKS = {
     "trl": "rlstream.dev.bench.trl_peer",
     "peer": "rlstream.dev.bench.peer",
     "trace": "rlstream.dev.bench.step_trace",
+    "staleness": "rlstream.dev.bench.staleness",
 }
-LONG = {"learn", "barrier", "trl", "peer", "trace"}
+LONG = {"learn", "barrier", "trl", "peer", "trace", "staleness"}
 """Not part of ``bench all``: an hour or more per run at the full size, an optional extra (TRL for
 ``trl`` and ``peer``), or a diagnosis (``trace``: where a k = 0 step goes): run them by name."""
 ALL = [n for n in BENCHMARKS if n not in LONG]
@@ -48,6 +49,7 @@ TITLES = {
     "trl": "TRL's GRPOTrainer side by side (real model)",
     "peer": "TRL's GRPOTrainer against rlstream k = 0, 1, 2 (next-digit)",
     "trace": "where a k = 0 step goes (next-digit)",
+    "staleness": "learning under staleness, in samples, over seeds (tiny model)",
 }
 
 
