@@ -7,8 +7,10 @@
   real crash and a watchdog exit are not.
 * The bad records: each kind is wrong in the way its name says.
 * The shortened run itself (``slow``, ``kafka``): real roles, its own broker (restarted), kill -9 of
-  the trainer and the feed, a join/leave, bad records; it must PASS, and its concurrent auditor must
-  have seen every record (tests/test_chaos_live.py tests that auditor).
+  the trainer and the feed, a join/leave, bad records, and one fault of each kind the installed
+  fault classes plan (network, storage, process: ``rlstream.dev.chaos_faults``); it must PASS, its
+  concurrent auditor must have seen every record (tests/test_chaos_live.py tests that auditor), and
+  it must report the availability of every fault kind that happened.
 """
 
 import copy
@@ -316,6 +318,14 @@ def test_tiny_fault_run_passes(tmp_path):
     avail = report["availability"]  # printed above the verdict line; figures, not targets
     assert lines[-2].startswith("availability: ettr=") and 0 < avail["ettr"] <= 1, (lines[-2:], avail)
     assert len(avail["trainer_kill_to_step_s"]) == done["trainer_kills"], avail
+    base = {"kills", "trainer_kills", "feed_kills", "broker_restarts", "joins", "fuzz", "worker_kills"}
+    classes = {k: n for k, n in report["faults"]["planned"].items() if k not in base}
+    assert all(done[k] == n for k, n in classes.items()), (classes, done)  # the fault classes' faults happened
+    rows = {r["kind"]: r for r in report["by_fault_class"]}
+    assert {"kill", "broker", *classes} <= set(rows), rows
+    assert all(rows[k]["n"] >= 1 for k in classes) and rows["kill"]["n"] == done["kills"], rows
+    err = (tmp_path / "chaos.err").read_text()
+    assert all(f"[chaos] {k}: n=" in err for k in rows), err[-3000:]
     live = report["live_audit"]  # the concurrent read_committed auditor saw everything, in order
     assert live["counts"] == dict.fromkeys(cl.COUNTERS, 0) and live["seen"] == live["final"], live
     assert live["seen"]["scored"] >= report["plan"]["groups"] and " live_seen=" in lines[-1], live

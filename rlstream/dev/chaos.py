@@ -12,16 +12,23 @@ Phases:
    included; the supervisor restarts them, and records the exit as ours, not as a crash), broker
    restarts (stop by PID, 10-20 s down, start on the same data dir and port; skipped with
    ``--bootstrap``), join/leave cycles (an extra rollout and reward worker, later stopped with
-   SIGTERM) and bursts of bad records (``rlstream.dev.fuzz``) in rl.prompts, rl.rollouts and rl.scored.
+   SIGTERM), bursts of bad records (``rlstream.dev.fuzz``) in rl.prompts, rl.rollouts and rl.scored,
+   and the faults of the fault classes (``rlstream.dev.chaos_faults``: network partitions and
+   latency, a full or slow weights store, SIGSTOP and OOM kills), each ended by its class. The
+   phase does not end while a class's fault is in force, and every class ends its faults when the
+   harness exits, however it exits.
 3. **drain**: no more faults; the trainer runs to ``trainer.max_steps = N / G`` and exits 0, which
    happens exactly when every group has been trained (deadline ``drain_s``).
 4. **audit** (``rlstream.dev.chaos_audit``), from the topics and the trainer's steps log, while the
    broker still runs; the live auditor reads on to the end and stops, and what it saw is checked
    against the final read (``chaos_live.check``); then everything is stopped by PID.
 
-The sizes, the options and the seeded fault schedule: ``rlstream.dev.chaos_plan``.
+The sizes, the options and the seeded fault schedule: ``rlstream.dev.chaos_plan``; the fault
+classes: ``rlstream.dev.chaos_faults``; the report: ``rlstream.dev.chaos_report``.
 
-Output: progress lines on stderr, one verdict line on stdout, ``<out>/report.json``, the run's
+Output: progress lines on stderr (at the end, one per fault kind: how many, the roles that saw it,
+the trainer's longest pause, the line said on screen), the availability line and the verdict line
+on stdout, ``<out>/report.json``, the run's
 timeline picture ``<out>/timeline.png`` and the role logs (``<out>/logs``, with the supervisor's
 ``events.jsonl``); with ``--docs PAGE``, the page's ``<!-- chaos:<size> -->`` block regenerated
 (``rlstream.dev.chaos_docs``). Exit code 0 on PASS.
@@ -30,7 +37,6 @@ Not a benchmark, and not a substitute for the unit tests of each role.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -38,7 +44,6 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from rich.markup import escape
@@ -49,7 +54,9 @@ from pipeline.topology import RunIdentity
 from rlstream.demo import TASK, demo_settings, write_task
 from rlstream.dev import chaos_audit, chaos_docs, chaos_live
 from rlstream.dev.chaos_broker import BrokerOps, ClusterOps
+from rlstream.dev.chaos_faults import ChaosContext, FaultClasses, fronts, run_settings
 from rlstream.dev.chaos_plan import BASE_ROLES, TASK_RECORDS, WORKERS, ChaosOptions, Fault, plan_faults
+from rlstream.dev.chaos_report import code_fingerprint, write_report
 from rlstream.launcher import Launcher, RoleSpec, standard_roles
 from rlstream.supervisor import RestartPolicy
 
@@ -76,8 +83,11 @@ letter (the audit counts those as unread, ``chaos_audit.read_positions``)."""
 class Chaos:
     """The fault schedule, run from the launcher's watch loop (``tick``)."""
 
-    def __init__(self, cfg, launcher, p: dict, faults: list[Fault], broker_ops, injector, opts, console):
+    def __init__(self, cfg, launcher, p: dict, faults: list[Fault], broker_ops, injector, opts, console, classes):
         self.cfg, self.launcher, self.p, self.opts, self.console = cfg, launcher, p, opts, console
+        self.classes: FaultClasses = classes
+        """The fault classes: their faults are in ``faults``; ``_do`` hands each to its class."""
+        faults = sorted(faults + classes.faults, key=lambda f: f.at)
         self.pending, self.faults = list(faults), faults
         self.broker_ops, self.injector, self.rng = broker_ops, injector, random.Random(opts.seed + 1)
         from consumers.trainer.state import TrainerCheckpoints, trainer_root
@@ -94,7 +104,7 @@ class Chaos:
         """Wall-clock start of the chaos phase and of the drain (``availability``)."""
         self.phases: dict[str, float] = {}
         unit = math.lcm(cfg.rl.groups_per_step, TASK_RECORDS)
-        faults_planned = p.get("broker_restarts") or p.get("kills") or p.get("joins")
+        faults_planned = p.get("broker_restarts") or p.get("kills") or p.get("joins") or classes.faults
         self.held = unit if faults_planned and p["groups"] >= 2 * unit else 0
         """Groups the feed keeps back until every planned fault is done: without them a trainer that
         finished first (a loaded machine; a slow rolling restart; a quiet machine that outran the paced
@@ -108,6 +118,11 @@ class Chaos:
         now = time.monotonic()
         if self.injector is not None:
             self.injector.poll()
+        if self.t0 is not None:
+            self.classes.poll(now - self.t0)
+        return self._tick(now)
+
+    def _tick(self, now: float) -> str | None:
         if self.phase == "warm-up":
             if self._pipeline_up():
                 self.phases["warmup_s"] = round(now - self.t_start, 1)
@@ -130,7 +145,8 @@ class Chaos:
             for f in [f for f in self.pending if f.at <= t]:
                 self._do(f, t)
             self._release_held(t)
-            if not self.pending and t >= self.p["duration_s"] and not self.broker_ops.busy and not self.held:
+            quiet = not self.broker_ops.busy and not self.classes.busy
+            if not self.pending and t >= self.p["duration_s"] and quiet and not self.held:
                 self.phase, self.t_drain = "drain", now
                 self.wall["drain"] = time.time()
                 self.phases["chaos_s"] = round(now - self.t0, 1)
@@ -144,7 +160,7 @@ class Chaos:
         leaves, bad records) or running and the first feed has finished (two feeds of one name never
         run at once: the second continues from its state). Every fault is due by 90 % of the phase,
         or given up 120 s after it, so the hold ends."""
-        if not self.held or self.broker_ops.busy or self.pending:
+        if not self.held or self.broker_ops.busy or self.classes.busy or self.pending:
             return
         if not _finished(self.launcher.sup, "feed"):
             return
@@ -160,7 +176,15 @@ class Chaos:
     def _do(self, f: Fault, t: float) -> None:
         sup = self.launcher.sup
         late = t > self.p["duration_s"] + 120  # give up on a fault that could not happen in time
-        if f.kind == "kill":
+        owner = self.classes.owner(f)
+        if owner is not None:
+            outcome = owner.do(f, t)
+            if outcome is not None:
+                return self._done(f, t, outcome)
+            if late:
+                return self._done(f, t, f"skipped: {f.kind} of {f.target or 'the run'} could not start in time")
+            f.at = t + self.rng.uniform(2, 6)  # not possible right now (restarting, another in force)
+        elif f.kind == "kill":
             target = f.target
             if not f.required and target == "feed" and _finished(sup, "feed"):
                 target = f.target = self.rng.choice([r for r in BASE_ROLES if r != "feed"])
@@ -169,6 +193,9 @@ class Chaos:
             slot = target.removeprefix("rollout-")
             if self._slots is not None and slot.isdigit():  # the slot's holder, never the idle spare
                 target = sup.name_of(self._slots.holder(int(slot))) or target
+            if self._stopped(target) and not late:  # a kill -9 now would end the stop's test (the zombie's wake)
+                f.at = t + self.rng.uniform(2, 15)
+                return None
             pid = sup.inject(target, cause="chaos kill -9")
             if pid is not None:
                 return self._done(f, t, f"kill -9 {target} (pid {pid})")
@@ -205,6 +232,13 @@ class Chaos:
             n = self.injector.inject(int(f.arg))
             return self._done(f, t, f"{n} bad records")
 
+    def _stopped(self, name: str) -> bool:
+        """Whether a fault class SIGSTOPped ``name`` and has not SIGCONTed it yet (the supervisor's events)."""
+        for e in reversed(self.launcher.sup.events):
+            if e.get("name") == name and e["event"] == "signal" and e.get("signal") in ("SIGSTOP", "SIGCONT"):
+                return e["signal"] == "SIGSTOP"
+        return False
+
     def _done(self, f: Fault, t: float, outcome: str) -> None:
         f.outcome, f.t_done = outcome, round(t, 1)
         self.pending.remove(f)
@@ -220,6 +254,7 @@ class Chaos:
             "broker_restarts": sum(1 for r in self.broker_ops.done if r.get("ok")),
             "joins": sum(1 for f in self.faults if f.kind == "leave" and f.outcome and f.outcome.startswith("SIGTERM")),
             "fuzz": fuzz_injected,
+            **self.class_counts(),
             "worker_kills": min(  # the fewest kills of one base worker (a size's minimum for each)
                 sum(
                     1
@@ -229,6 +264,14 @@ class Chaos:
                 for w in WORKERS
             ),
         }
+
+    def class_counts(self, planned: bool = False) -> dict[str, int]:
+        """Per kind of the fault classes' planned faults: how many were planned, or done (started)."""
+        mine = [f for f in self.classes.faults]
+        counts = dict.fromkeys(sorted({f.kind for f in mine}), 0)
+        for f in mine:
+            counts[f.kind] += 1 if planned else bool(f.outcome and "skipped" not in f.outcome.split(":")[0])
+        return counts
 
     def line(self) -> str:
         now = time.monotonic()
@@ -240,7 +283,10 @@ class Chaos:
             f"[chaos] {self.phase} {t:4.0f}s step {steps[-1]['step'] if steps else 0}/{self.cfg.trainer.max_steps} "
             f"kills={kills} broker_restarts={len(self.broker_ops.done)} "
             f"joins={sum(1 for f in done if f.kind == 'join')} "
-            f"fuzzed={len(self.injector.records) if self.injector else 0} pending={len(self.pending)} "
+            f"fuzzed={len(self.injector.records) if self.injector else 0} "
+            + "".join(f"{k}={n} " for k, n in self.class_counts().items())
+            + (f"in_force={','.join(self.classes.busy_kinds())} " if self.classes.busy else "")
+            + f"pending={len(self.pending)} "
             f"restarts={self.launcher.sup.restarts_total if self.launcher.sup else 0} lag={self.launcher.lags}"
         )
 
@@ -259,6 +305,18 @@ class _ChaosLauncher(Launcher):
     def _line(self) -> str:
         return self.chaos.line() if self.chaos else super()._line()
 
+    def watch(self, sup, metrics, tick=None):
+        """The launcher's watch loop; when it ends other than ``ok`` (a failure, an interrupt, an
+        error), every fault is ended before the roles are stopped: none is stopped while SIGSTOPped,
+        partitioned or on a full disk (an ``ok`` run has none in force: the drain waits for them)."""
+        status = None
+        try:
+            status = super().watch(sup, metrics, tick)
+            return status
+        finally:
+            if self.chaos is not None and (status != "ok" or self.chaos.classes.busy):
+                self.chaos.classes.close()
+
 
 def resolve(config_path, sets, run_dir: Path, run_id: str, bootstrap: str, p: dict):
     """The run's config: the demo's settings < fault-run liveness < the user's file/env/--set < the run's own."""
@@ -270,6 +328,7 @@ def resolve(config_path, sets, run_dir: Path, run_id: str, bootstrap: str, p: di
     g = tree.get("rl", {}).get("groups_per_step", 8)
     feed_span = 0.8 * p["duration_s"]
     own = {
+        **run_settings(run_dir, p),  # what the planned fault classes need (a store they can fault)
         **RunIdentity.of_prefix(f"chaos-{run_id}.").settings(),  # topics, groups, transactional ids
         "feed.epochs": p["groups"] // TASK_RECORDS,  # the feed's total, also across its restarts
         "feed.limit": p["groups"],
@@ -306,9 +365,10 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
     rng = random.Random(opts.seed)
     bcfg = BrokerConfig(port=0, data_dir=run_dir / "broker", heap_mb=512, nodes=opts.nodes)
     broker = None if opts.bootstrap else local_broker(bcfg)
+    in_front = fronts(broker, p)  # before the broker starts: the network faults' proxy, which it advertises
     say = lambda m: console.print(f"[chaos] {m}", highlight=False, markup=False)  # noqa: E731
     ops = BrokerOps(broker, say)
-    chaos = injector = live = None
+    chaos = injector = live = classes = None
     status, audit, steps, live_r = "failed: did not start", None, [], None
     try:
         bootstrap = opts.bootstrap or broker.start(progress=ops.say, owned=True)["bootstrap"]
@@ -321,6 +381,9 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
         ops.say(f"run dir {run_dir}; plan {json.dumps(p)}")
         vocab = len(load_tokenizer(materialize(cfg.model)))
         injector = Injector(cfg, p["fuzz"], random.Random(opts.seed + 2), vocab, TASK)
+        # the classes plan (and prepare: a tmpfs under the store, the roles' environment) before any role starts
+        ctx = ChaosContext(cfg, None, run_dir, ops, say, None)
+        classes = FaultClasses(ctx, p, p["duration_s"], opts.seed)
         # the feed starts with the chaos clock
         roles = [
             r
@@ -330,12 +393,16 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
         launcher = _ChaosLauncher(
             cfg, run_dir, roles, title="rlstream chaos", live=False, console=console, policy=RestartPolicy()
         )
+        classes.set_launcher(launcher)
         chaos = launcher.chaos = Chaos(
-            cfg, launcher, p, plan_faults(p, rng, p["duration_s"]), ops, injector, opts, console
+            cfg, launcher, p, plan_faults(p, rng, p["duration_s"]), ops, injector, opts, console, classes
         )
         live_topics = {r: cfg.topics.name(r) for r in chaos_live.ROLES}
         live = chaos.live = chaos_live.LiveAuditor(cfg.kafka, live_topics, run_dir)
-        status = launcher.run(tick=chaos.tick)["status"]
+        try:
+            status = launcher.run(tick=chaos.tick)["status"]
+        finally:  # every fault ended (roles SIGCONTed, partitions healed) before anything else
+            classes.close()
         chaos.phases["drain_s"] = round(time.monotonic() - (chaos.t_drain or time.monotonic()), 1)
         ops.wait()
         if broker is not None and broker.state() is None:
@@ -367,6 +434,8 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
         live_r = chaos_live.check(live.rows(), data, skip, live_done)
         chaos.phases["audit_s"] = round(time.monotonic() - t_audit, 1)
     finally:
+        if classes is not None:
+            classes.close()  # a run that failed before its launcher ran: the store's tmpfs unmounted
         if live is not None:
             live.kill()
         if injector is not None:
@@ -374,98 +443,12 @@ def run(config_path: Path | None, sets: list[str], opts: ChaosOptions) -> dict:
         ops.wait()
         if broker is not None:
             broker.stop(progress=ops.say)
+        for obj in in_front:  # after the broker: the audit read through it
+            obj.close()
             if not opts.keep_data:
                 shutil.rmtree(run_dir / "broker" / "logs", ignore_errors=True)
     changed = sorted({f for f, _ in code_fingerprint().items() ^ code_at_start.items()})
-    return _report(
+    return write_report(
         run_dir, opts, p, status, (audit, live_r), chaos, injector, ops, bootstrap, time.monotonic() - t_start,
         changed, steps, (command, host),
     )  # fmt: skip
-
-
-def code_fingerprint() -> dict[str, str]:
-    """path -> hash of every module and schema the roles run. Processes restarted during the run
-    load the code of that moment: if it changed (a shared working tree), the run is not valid."""
-    root = Path(__file__).resolve().parents[1]
-    return {
-        str(f.relative_to(root)): hashlib.sha1(f.read_bytes()).hexdigest()
-        for top in ("schemas", "pipeline", "producers", "consumers", "rlstream")
-        for f in sorted((root / top).rglob("*"))
-        if f.suffix in (".py", ".avsc") and f.is_file()
-    }
-
-
-def _report(run_dir, opts, p, status, audits, chaos, injector, ops, bootstrap, wall_s, changed, steps, how) -> dict:
-    audit, live = audits
-    command, host = how
-    live = live or chaos_live.not_run(status if status != "ok" else "the run ended before its audit")
-    events = chaos.launcher.sup.events if chaos and chaos.launcher.sup else []
-    sup = chaos_audit.supervision(events)
-    wall = chaos.wall if chaos else {}
-    hold = None  # the trainer waiting for the held-back groups is the harness's doing, not a fault's cost
-    if wall.get("released") and chaos.held_from:
-        dry = [s["time"] for s in steps if s.get("step", 0) == chaos.held_from and s.get("time")]
-        if dry and dry[0] < wall["released"]:
-            hold = (dry[0], wall["released"])
-    avail = chaos_audit.availability(steps, events, wall.get("chaos"), wall.get("drain"), hold)
-    done = chaos.done_counts(sup, audit["fuzz_injected"] if audit else 0)
-    planned = {k: p[k] for k in ("kills", "trainer_kills", "feed_kills", "broker_restarts", "joins", "fuzz")}
-    if p.get("worker_kills"):
-        planned["worker_kills"] = p["worker_kills"]
-    faults = {"planned": planned, "done": done}
-    if audit is None:
-        audit = {
-            "lost_groups": -1,
-            "trained_twice": -1,
-            "scored_twice": -1,
-            "staleness_violations": -1,
-            "stalled_groups": -1,
-            "dlq_missing": -1,
-            "fuzz_undelivered": 0,
-            "nonfinite_steps": -1,
-            "dlq_without_reason": 0,
-            "fuzz_injected": 0,
-        }
-    v = chaos_audit.verdict(audit, sup, faults, status, wall_s, live)
-    if changed:
-        v["verdict"] = "FAIL"
-        v["failed"].append(f"the code changed during the run ({len(changed)} files, e.g. {', '.join(changed[:3])})")
-    line = chaos_audit.verdict_line(v)
-    report = {
-        **v,
-        "line": line,
-        "availability_line": chaos_audit.availability_line(avail),
-        "command": command,
-        "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
-        "wall": wall,
-        "steps_timeline": chaos_docs.steps_series(steps),
-        "status": status,
-        "size": opts.size,
-        "seed": opts.seed,
-        "plan": p,
-        "run_dir": str(run_dir),
-        "bootstrap": bootstrap,
-        "broker": (
-            "--bootstrap: no broker restarts"
-            if opts.bootstrap
-            else f"own local KRaft cluster of {opts.nodes} nodes, hard faults"
-            if opts.nodes > 1
-            else "own local KRaft broker, restarted"
-        ),
-        "phases": chaos.phases,
-        "faults": {**faults, "broker_restarts": ops.done, "timeline": [asdict(f) for f in chaos.faults]},
-        "supervision": sup,
-        "availability": avail,
-        "audit": audit,
-        "live_audit": live,
-        "code_changed_during_run": changed,
-        "fuzz_records": injector.records if injector else [],
-    }
-    (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    picture = chaos_docs.timeline(report, run_dir / "timeline.png")
-    if opts.docs is not None:
-        chaos_docs.publish(report, opts.docs, picture)
-        log.info("docs updated %s", kv(page=opts.docs, block=f"chaos:{opts.size}", picture=picture))
-    print(report["availability_line"], flush=True)
-    print(line, flush=True)
-    return report

@@ -12,6 +12,7 @@ a live run.
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 
 from rlstream.audit import EXAMPLES, audit, read_positions, read_topics, version_at  # noqa: F401 (re-exported)
@@ -148,6 +149,92 @@ def availability_line(a: dict) -> str:
         f"trainer kill -> next step max {most(a['trainer_kill_to_step_s'])} (n={len(a['trainer_kill_to_step_s'])}); "
         f"rollout kill -> longest trainer idle max {most(a['rollout_kill_trainer_idle_s'])} "
         f"(n={len(a['rollout_kill_trainer_idle_s'])})"
+    )
+
+
+# ---- availability per fault class -------------------------------------------------------------
+SETTLE_S = 30.0
+"""How long after a fault ends (a kill -9: after it struck) its effects are still counted as its own:
+a restart, a rebalance, a role noticing that its weights vanished."""
+ROLE_NAME = re.compile(r"^(trainer|feed|rollout|reward|eval)[\w.-]*$")
+
+
+def _pause(ends: list[float], a: float, b: float) -> float | None:
+    """The trainer's longest time without a step end from ``a`` (the fault's start: a pause that
+    began before it counts from there) through [a, b] to its first step end after ``b`` (None when
+    the trainer took no step after ``b``)."""
+    after = [t for t in ends if t > b][:1]
+    if not after:
+        return None
+    marks = [a] + [t for t in ends if a < t <= b] + after
+    gaps = [y - x for x, y in itertools.pairwise(marks)]
+    return round(max(gaps), 1) if gaps else None
+
+
+def fault_records(fault_done: list[dict], events: list[dict], broker_done: list[dict], t0: float | None) -> list[dict]:
+    """Every fault of a run as ``{"kind", "target", "t", "seconds", "seen"}`` (``t``: seconds into the
+    chaos phase that began at wall time ``t0``): the fault classes' ``done`` records, our kill -9s
+    (from the supervisor's events) and the broker faults (``BrokerOps.done``)."""
+    recs = [dict(d) for d in fault_done]
+    if t0 is not None:
+        recs += [
+            {"kind": "kill", "target": e["name"], "t": round(e["time"] - t0, 1), "seconds": 0.0, "seen": []}
+            for e in events
+            if e["event"] == "signal"
+            and e.get("signal") == "SIGKILL"
+            and e.get("time")
+            and "chaos" in (e.get("cause") or "")
+        ]
+    recs += [
+        {"kind": "broker", "target": r.get("fault") or "restart", "t": r["t"], "seen": [],
+         "seconds": round(sum(r.get(k) or 0.0 for k in ("stop_s", "down_s", "start_s")), 1)}
+        for r in broker_done if r.get("ok")
+    ]  # fmt: skip
+    return sorted(recs, key=lambda r: r.get("t") or 0.0)
+
+
+def by_fault_class(records: list[dict], steps: list[dict], said: list[dict], t0: float | None) -> list[dict]:
+    """Availability per fault kind: ``n`` faults; ``roles_saw``, the roles that said a fault line on
+    screen while one lasted (``said``: the launcher's fault log, ``{worker, text, start, end}``) or
+    whose own lines the class recorded (``seen``); ``pause_s``, the trainer's longest time without a
+    step from a fault's start to ``SETTLE_S`` after its end, and then to its next step (the worst of
+    that kind); ``said``, the first fault line the user saw on screen for that kind (or None):
+    a role's line from ``said`` (of the faulted role itself when the fault struck one role), else a
+    line of the supervisor's that the class recorded (``supervisor: ...``, printed by the harness)."""
+    ends = sorted(s["time"] for s in steps if s.get("time"))
+    rows: dict[str, dict] = {}
+    for r in records:
+        row = rows.setdefault(r["kind"], {"kind": r["kind"], "n": 0, "roles_saw": set(), "pause_s": None, "said": None})
+        row["n"] += 1
+        if t0 is None or r.get("t") is None:
+            continue
+        a, b = t0 + r["t"], t0 + r["t"] + (r.get("seconds") or 0.0) + SETTLE_S
+        pause = _pause(ends, a, b)
+        if pause is not None:
+            row["pause_s"] = max(row["pause_s"] or 0.0, pause)
+        target = r.get("target") or ""
+        for e in said:  # a fault of one role: that role's lines; of the store or the broker: anyone's
+            role, _, worker = e["worker"].partition("/")
+            if a - 2 <= e["start"] <= b and (not ROLE_NAME.match(target) or target in (role, worker)):
+                row["roles_saw"].add(worker or role)
+                row["said"] = row["said"] or f"{worker or role}: {e['text']}"
+        for line in r.get("seen") or []:  # "<role>: ...", "<role>/<worker>: ..." or the target's own line
+            who = str(line).partition(": ")[0]
+            if "/" in who and " " not in who:
+                row["roles_saw"].add(who.partition("/")[2])
+            elif ROLE_NAME.match(who) or ROLE_NAME.match(who := target):
+                row["roles_saw"].add(who)
+            if str(line).startswith("supervisor: "):  # the supervisor's own line is on the run's screen too
+                row["said"] = row["said"] or str(line)
+    return [{**row, "roles_saw": sorted(row["roles_saw"])} for row in rows.values()]
+
+
+def fault_class_line(row: dict) -> str:
+    """One ``by_fault_class`` row as a progress line."""
+    pause = "-" if row["pause_s"] is None else f"{row['pause_s']:g} s"
+    return (
+        f"{row['kind']}: n={row['n']} roles saw: {', '.join(row['roles_saw']) or 'none'}; longest pause {pause}; "
+        f"on screen: {row['said'] or 'nothing'}"
     )
 
 

@@ -3,7 +3,7 @@ steps and samples trained over wall time, with a marker per injected fault) and,
 the run's generated block of a results page (``<!-- chaos:<size> -->`` … ``<!-- /chaos:<size> -->``):
 the command that reproduces it, git revision, date, machine, load, and the audit's figures.
 
-Reads only a finished run's report (``report.json``, ``rlstream.dev.chaos._report``); runs nothing
+Reads only a finished run's report (``report.json``, ``rlstream.dev.chaos_report.write_report``); runs nothing
 and judges nothing (the verdict is ``rlstream.dev.chaos_audit``'s). The block and picture writers
 are the benchmarks' (``rlstream.dev.bench.harness``: ``update_docs``, ``machine``, ``pyplot``).
 """
@@ -26,7 +26,8 @@ OPTIONS = (  # ChaosOptions field -> its option on the command line (the values 
     ("seed", "--seed"), ("bootstrap", "--bootstrap"), ("groups", "--groups"), ("duration_s", "--duration"),
     ("kills", "--kills"), ("trainer_kills", "--trainer-kills"), ("feed_kills", "--feed-kills"),
     ("broker_restarts", "--broker-restarts"), ("joins", "--joins"), ("fuzz", "--fuzz"),
-    ("drain_s", "--drain-timeout"),
+    ("drain_s", "--drain-timeout"), ("partitions", "--partitions"), ("net_latency", "--net-latency"), ("net_resets", "--net-resets"),
+    ("storage_faults", "--storage-faults"), ("stops", "--stops"), ("ooms", "--ooms"),
 )  # fmt: skip
 SWITCHES = (("unpaced", "--unpaced"), ("standby", "--standby"), ("rollout_standby", "--rollout-standby"))
 KIND_STYLE = {  # kind -> (colour, label in the legend)
@@ -35,7 +36,17 @@ KIND_STYLE = {  # kind -> (colour, label in the legend)
     "join": ("tab:green", "worker added"),
     "leave": ("tab:olive", "worker removed"),
     "fuzz": ("tab:gray", "bad records written"),
+    "partition": ("tab:brown", "network partition"),
+    "latency": ("tab:pink", "network latency"),
+    "reset": ("tab:brown", "connections reset"),
+    "disk_full": ("tab:cyan", "disk full"),
+    "store_slow": ("tab:cyan", "store slow, then failing"),
+    "weights_vanish": ("tab:blue", "weights deleted"),
+    "stop": ("gold", "SIGSTOP"),
+    "oom": ("darkred", "OOM kill"),
 }
+SPANNED = ("broker", "partition", "latency", "disk_full", "store_slow", "stop")
+"""The kinds drawn as a band over the time they lasted (the others as a line at their start)."""
 
 
 def command_line(opts, config_path: Path | None = None, sets: list[str] | None = None) -> str:
@@ -77,6 +88,7 @@ def _fault_marks(report: dict) -> list[tuple[float, str, str, float]]:
     """(seconds into the chaos phase, kind, label, seconds it lasted) of every fault that happened."""
     marks = []
     broker = {r.get("t"): r for r in report.get("faults", {}).get("broker_restarts", [])}
+    lasted = {(r["kind"], r.get("t")): r.get("seconds") or 0.0 for r in report.get("faults", {}).get("records", [])}
     for f in report.get("faults", {}).get("timeline", []):
         out = f.get("outcome") or ""
         if f.get("t_done") is None or not out or out.startswith("skipped"):
@@ -92,6 +104,8 @@ def _fault_marks(report: dict) -> list[tuple[float, str, str, float]]:
             label = f.get("target", "")
         elif kind == "fuzz":
             label = out.split()[0]
+        elif kind in KIND_STYLE:  # a fault class's: how long it lasted is in its record
+            label, span = f.get("target", ""), lasted.get((kind, f["t_done"]), 0.0)
         marks.append((float(f["t_done"]), kind, label, float(span)))
     return marks
 
@@ -129,11 +143,11 @@ def timeline(report: dict, path: Path) -> Path | None:
         colour, name = KIND_STYLE.get(kind, ("black", kind))
         legend = None if kind in seen else name
         seen.add(kind)
-        if kind == "broker":
+        if kind in SPANNED and span:
             ax.axvspan(t, t + max(span, 1.0), color=colour, alpha=0.15, label=legend)
         else:
             ax.axvline(t, color=colour, lw=1, alpha=0.8, ls="-" if kind == "kill" else ":", label=legend)
-        if kind in ("kill", "broker") and label:
+        if kind not in ("join", "leave", "fuzz") and label:
             ax.text(t, top, f" {label}", rotation=90, va="top", ha="left", fontsize=7, color=colour)
     drain = (report.get("wall") or {}).get("drain")
     if drain is not None:
@@ -214,10 +228,22 @@ def block(report: dict, image: str | None = None, command: str | None = None) ->
         ],
     )
     lines = ["```text", report.get("availability_line", ""), report.get("line", ""), "```"]
-    parts = ["\n".join(head), guarantees, injected, dlq, avail, "\n".join(x for x in lines if x is not None)]
+    parts = ["\n".join(head), guarantees, injected, dlq, avail]
+    if report.get("by_fault_class"):
+        parts.append(by_fault_class(report["by_fault_class"]))
+    parts.append("\n".join(x for x in lines if x is not None))
     if image:
         parts.append(f"![timeline of the {report.get('size')} fault run]({image})")
     return "\n\n".join(parts)
+
+
+def by_fault_class(rows: list[dict]) -> str:
+    """The availability per fault class table (``chaos_audit.by_fault_class``)."""
+    cell = lambda text: (text or "–").replace("|", "\\|").replace("\n", " ")[:160]  # noqa: E731
+    return md_table(
+        ["fault class", "n", "roles saw", "longest pause (s)", "said on screen"],
+        [[r["kind"], r["n"], ", ".join(r["roles_saw"]) or "–", r["pause_s"], cell(r["said"])] for r in rows],
+    )
 
 
 def _load(xs) -> str:

@@ -1,6 +1,10 @@
 """The plan of ``rlstream chaos``: the sizes, the options that override them, and the seeded fault
 schedule (``plan_faults``). Pure: no broker, no process; ``rlstream.dev.chaos`` runs the plan.
 
+The faults of the fault classes (network, storage, process: ``rlstream.dev.chaos_faults``) are
+planned by each class from the size's counts (``partitions``, ``net_latency``, ``net_resets``,
+``storage_faults``, ``stops``, ``ooms``).
+
 Sizes: ``tiny`` (CI), ``full`` (the documented run) and ``scale`` (the audit at Kafka's test
 scale: over 100,000 samples, at least three kill -9 of every role, all after 20 % of the chaos
 phase, and, on its default three-node cluster, a SIGKILL of every broker; hours on two cores).
@@ -26,6 +30,12 @@ SIZES = {
         "joins": 1,
         "fuzz": 50,
         "long_down_s": 30.0,
+        "partitions": 1,
+        "net_latency": 1,
+        "net_resets": 1,
+        "storage_faults": 1,
+        "stops": 1,
+        "ooms": 1,
     },
     "full": {
         "groups": 1600,
@@ -37,6 +47,12 @@ SIZES = {
         "joins": 2,
         "fuzz": 1000,
         "long_down_s": 150.0,
+        "partitions": 3,
+        "net_latency": 3,
+        "net_resets": 3,
+        "storage_faults": 6,
+        "stops": 4,
+        "ooms": 3,
     },
     "scale": {
         "groups": 12_520,  # x the demo's group size 8: 100,160 samples
@@ -53,6 +69,12 @@ SIZES = {
         "fuzz": 5000,
         "long_down_s": 300.0,
         "nodes": 3,
+        "partitions": 10,
+        "net_latency": 10,
+        "net_resets": 10,
+        "storage_faults": 20,
+        "stops": 12,
+        "ooms": 8,
     },
 }
 TASK_RECORDS = 10  # write_task's prompts; the feed cycles over them in epochs
@@ -94,6 +116,20 @@ class ChaosOptions:
     unpaced: bool = False
     """Feed as fast as admission allows (``feed.rate = 0``) instead of spreading the groups over the
     chaos phase: for availability figures (ETTR) with a trainer-bound setup (sim engines)."""
+    partitions: int | None = None
+    """Network partitions of a role from the broker (``rlstream.dev.chaos_net``); None: the size's."""
+    net_latency: int | None = None
+    """Spells of added network latency between a role and the broker; None: the size's."""
+    net_resets: int | None = None
+    """Resets (RST) of every connection of a role to the broker; None: the size's."""
+    storage_faults: int | None = None
+    """Weights store faults: a full disk, a slow then failing store, published weights deleted
+    (``rlstream.dev.chaos_storage``); None: the size's."""
+    stops: int | None = None
+    """SIGSTOPs of a role, every other one past its group's session timeout, then SIGCONT
+    (``rlstream.dev.chaos_process``); None: the size's."""
+    ooms: int | None = None
+    """Kills of a role by the kernel's OOM killer (a restart under a memory limit); None: the size's."""
 
     def __post_init__(self):
         if self.size not in SIZES:
@@ -110,6 +146,8 @@ class ChaosOptions:
         p["groups"] = max(unit, -(-p["groups"] // unit) * unit)
         p["kills"] = max(p["kills"], p["trainer_kills"] + p["feed_kills"] + p["worker_kills"] * len(WORKERS))
         p["nodes"], p["unpaced"] = self.nodes, self.unpaced
+        if self.bootstrap or self.nodes > 1:  # network faults need the proxy in front of our one broker
+            p.update(partitions=0, net_latency=0, net_resets=0)
         if self.bootstrap:
             p["broker_restarts"] = 0
         elif self.nodes > 1 and self.broker_restarts == 0:
@@ -124,7 +162,7 @@ class Fault:
     at: float
     """Seconds into the chaos phase (a fault that cannot happen yet is moved later)."""
     kind: str
-    """kill | broker | join | leave | fuzz"""
+    """kill | broker | join | leave | fuzz, or a kind of a fault class (``chaos_faults.FAULT_CLASSES``)"""
     target: str = ""
     arg: float = 0.0
     required: bool = False

@@ -34,6 +34,30 @@ def chaos(
     ),
     joins: int | None = typer.Option(None, "--joins", help="Join/leave cycles of a rollout and a reward worker."),
     fuzz: int | None = typer.Option(None, "--fuzz", help="Bad records injected."),
+    partitions: int | None = typer.Option(
+        None,
+        "--partitions",
+        min=0,
+        help="Network partitions of a role from the broker, then healed (own single broker only).",
+    ),
+    net_latency: int | None = typer.Option(
+        None, "--net-latency", min=0, help="Spells of added latency between a role and the broker."
+    ),
+    net_resets: int | None = typer.Option(
+        None, "--net-resets", min=0, help="Resets (RST) of every connection of a role to the broker."
+    ),
+    storage_faults: int | None = typer.Option(
+        None,
+        "--storage-faults",
+        min=0,
+        help="Weights store faults: a full disk (a tmpfs store), a slow then failing store, published weights deleted.",
+    ),
+    stops: int | None = typer.Option(
+        None, "--stops", min=0, help="SIGSTOPs of a role (every other one past its session timeout), then SIGCONT."
+    ),
+    ooms: int | None = typer.Option(
+        None, "--ooms", min=0, help="Kills of a role by the kernel's OOM killer (a restart under a memory limit)."
+    ),
     drain: float = typer.Option(600.0, "--drain-timeout", help="Longest wait for the trainer after the faults."),
     docs: Path | None = typer.Option(
         None,
@@ -63,8 +87,9 @@ def chaos(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """A fault run: the real roles under kill -9, broker restarts, joins/leaves and bad records, then
-    drained and audited from the topics. Prints one verdict line; exit 0 on PASS."""
+    """A fault run: the real roles under kill -9, broker restarts, joins/leaves, bad records, network
+    partitions and latency, storage faults, SIGSTOPs and OOM kills, then drained and audited from the
+    topics. Prints the availability per fault class and one verdict line; exit 0 on PASS."""
     from rlstream.dev.chaos import ChaosOptions, run
     from rlstream.dev.chaos_plan import SIZES
 
@@ -76,7 +101,9 @@ def chaos(
     sigterm_unwinds()
     opts = ChaosOptions(size, seed, out, bootstrap, groups, duration, kills, trainer_kills, feed_kills,
                         broker_restarts, joins, fuzz, drain, keep_data=keep_data, nodes=nodes, unpaced=unpaced, standby=standby,
-                        rollout_standby=rollout_standby, docs=docs.resolve() if docs else None)  # fmt: skip
+                        rollout_standby=rollout_standby, docs=docs.resolve() if docs else None,
+                        partitions=partitions, net_latency=net_latency, net_resets=net_resets,
+                        storage_faults=storage_faults, stops=stops, ooms=ooms)  # fmt: skip
     raise typer.Exit(0 if run(*sources(config, set_), opts)["verdict"] == "PASS" else 1)
 
 
@@ -93,6 +120,20 @@ def check_rules(benchmarks: list[str], rules: list[str]) -> None:
     bad = [r for r in rules if r not in known[mine[0]]]
     if bad:
         raise typer.BadParameter(f"--rules: {mine[0]} has no rule {bad}; its rules are {known[mine[0]]}")
+
+
+def staleness_options(benchmarks: list[str], arms: str, task: str) -> dict:
+    """``--arms``/``--task`` of ``bench staleness``: BadParameter before anything starts."""
+    from rlstream.dev.bench.staleness import ARMS, TASKS
+
+    if benchmarks != ["staleness"]:
+        raise typer.BadParameter("--arms and --task apply to the staleness benchmark run alone")
+    chosen = [a.strip() for a in arms.split(",") if a.strip()]
+    bad = [a for a in chosen if a not in ARMS]
+    if bad or task not in TASKS:
+        what = f"--arms: no arm {bad}; the arms are {list(ARMS)}" if bad else f"--task: one of {list(TASKS)}"
+        raise typer.BadParameter(what)
+    return {"task": task, **({"arms": chosen} if chosen else {})}
 
 
 def bench(
@@ -113,7 +154,14 @@ def bench(
         "--budget-s",
         help="learn, barrier, trl: wall-clock budget of each run; peer: its time limit (0 = the size's).",
     ),
-    seeds: str = typer.Option("", "--seeds", help="barrier: comma list of seeds, one pair of runs each (default 0)."),
+    seeds: str = typer.Option(
+        "",
+        "--seeds",
+        help="barrier: comma list of seeds, one pair of runs each (default 0); "
+        "staleness: N (seeds 0..N-1) or a comma list (default: the size's, 20 at full).",
+    ),
+    arms: str = typer.Option("", "--arms", help="staleness: comma list of arms (default all; names in its table)."),
+    task: str = typer.Option("next-digit", "--task", help="staleness: next-digit or arithmetic."),
     rules: str = typer.Option(
         "",
         "--rules",
@@ -146,6 +194,8 @@ def bench(
     if rules:
         extra["rules"] = [r.strip() for r in rules.split(",") if r.strip()]
         check_rules(wanted, extra["rules"])
+    if arms or task != "next-digit":
+        extra.update(staleness_options(wanted, arms, task))
     if against is not None:
         if not against.is_file():
             raise typer.BadParameter(f"--against {against}: no such file (a barrier.json of an earlier run)")
