@@ -64,6 +64,8 @@ KEY_BYTES = 32
 KEY_TRIES = 3
 KEY_RETRY_S = 1.0
 """Seconds between tries of reading the key for a signed notice (times the try number)."""
+KEY_CHECK_S = 60.0
+"""How long a reader's start retries a key that the store fails to return (``NoticeVerifier.check``)."""
 
 _FIELDS = (
     ("version", int, 0),
@@ -208,17 +210,27 @@ class NoticeVerifier:
         self.unreadable: OSError | None = None
         """The last error reading a key that is there (an unsigned notice is then refused, not let through)."""
 
-    def check(self) -> None:
+    def check(self, deadline_s: float = KEY_CHECK_S) -> None:
         """At a reader's start: RlstreamError (one line) if the job's key is there but cannot be read,
-        or is damaged. Absent is fine (a job of an older rlstream, or the trainer creates it soon)."""
+        or is damaged. Absent is fine (a job of an older rlstream, or the trainer creates it soon).
+        A store that fails for a while (an I/O error, a timeout) is retried with backoff for
+        ``deadline_s``; a permission or path error is refused at once."""
         uri = notice_key_uri(self.store)
-        try:
-            self.key = load_key(self.store)
-        except OSError as exc:
-            raise RlstreamError(
-                f"cannot read the notice key {uri} ({exc.__class__.__name__}: {exc}): weight notices cannot be "
-                "verified; make the checkpoint store readable to this role"
-            ) from exc
+        end, wait = time.monotonic() + deadline_s, 1.0
+        while True:
+            try:
+                self.key = load_key(self.store)
+                return
+            except OSError as exc:
+                mistake = isinstance(exc, PermissionError | IsADirectoryError | NotADirectoryError)
+                if mistake or time.monotonic() + wait > end:
+                    raise RlstreamError(
+                        f"cannot read the notice key {uri} ({exc.__class__.__name__}: {exc}): weight notices "
+                        "cannot be verified; make the checkpoint store readable to this role"
+                    ) from exc
+                log.warning("cannot read the notice key yet; retrying %s", kv(uri=uri, error=exc, in_s=wait))
+                time.sleep(wait)
+                wait = min(2 * wait, 10.0)
 
     def _load(self, patient: bool) -> bytes | None:
         tries = self.tries if patient and self._patient else 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import time
 
 import pytest
 
@@ -147,3 +148,35 @@ def test_a_role_refuses_to_start_on_an_unreadable_key(make_config, cli_env, tmp_
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "notice key" in line]
     assert proc.returncode != 0 and len(lines) == 1 and "cannot read the notice key" in lines[0]
     assert time.monotonic() - t0 < 60
+
+
+def test_a_key_the_store_fails_to_return_for_a_while_is_retried_at_start(tmp_path, monkeypatch, caplog):
+    """A store that answers with I/O errors for a while (an object store's outage) does not stop a
+    role's start: the key is read again with backoff until the store answers (within the bound)."""
+    import threading
+
+    from pipeline import faultfs
+    from pipeline.notice_auth import NoticeVerifier, ensure_key
+
+    orders = tmp_path / "orders.json"
+    monkeypatch.setenv(faultfs.ENV, str(orders))
+    store = f"faultfile://{tmp_path / 'store'}"
+    key = ensure_key(store)
+    faultfs.write_orders(orders, {"fail": True})
+    verifier, errors = NoticeVerifier(store), []
+
+    def check():
+        try:
+            verifier.check(deadline_s=120)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=check, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "cannot read the notice key yet" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "cannot read the notice key yet" in caplog.text and t.is_alive()
+    faultfs.write_orders(orders, None)
+    t.join(60)
+    assert not t.is_alive() and not errors and verifier.key == key

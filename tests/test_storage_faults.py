@@ -412,3 +412,27 @@ def test_the_guard_gives_up_loudly_past_its_bound_and_never_retries_a_user_mista
     with pytest.raises(PermissionError):
         guard.call(denied, "writing weights v3", str(tmp_path))
     assert tries == [1]
+
+
+@pytest.mark.kafka
+def test_a_store_that_cannot_remove_old_versions_does_not_stop_the_trainer(make_config, tmp_path, monkeypatch, caplog):
+    """Removing old weight versions is clean-up: a store whose deletes fail (EIO) leaves them there,
+    the trainer says so in its log and goes on (a crash here once restarted the trainer in a loop)."""
+    from pipeline import faultfs
+
+    orders = tmp_path / "orders.json"
+    monkeypatch.setenv(faultfs.ENV, str(orders))
+    store = tmp_path / "store"
+    cfg = _config(make_config, f"checkpoint_store=faultfile://{store}", "trainer.keep_weight_versions=1")
+    faultfs.write_orders(orders, {"fail": True, "ops": ["rm"]})
+    run = TrainerRun(cfg).start()
+    try:
+        for i in range(STEPS):
+            run.feed(i)
+        run.finish()
+        check_exactly_once(cfg, run)
+        assert "could not remove old versions" in caplog.text
+        assert len([p for p in store.iterdir() if p.name.startswith("v")]) == STEPS  # none removed
+    finally:
+        faultfs.write_orders(orders, None)
+        run.close()

@@ -469,8 +469,11 @@ class Trainer(Worker):
         self._filtered_since_pub = len(self._filtered)
         self._progress_sent = self.consumed
         self._commit_offsets(snapshot)
-        self.ckpts.gc([r["tag"] for r in self._records])
-        gc_versions(self.cfg.store, self.tc.keep_weight_versions)
+        try:  # clean-up only: what is not removed now is removed after a later step
+            self.ckpts.gc([r["tag"] for r in self._records])
+            gc_versions(self.cfg.store, self.tc.keep_weight_versions)
+        except OSError as exc:
+            log.warning("could not remove old versions; trying again after the next step %s", kv(error=exc))
         self.metrics.set("trainer_ckpt_ms", (t2 - t1) * 1e3)
         self.metrics.set("publish_ms", (t3 - t2) * 1e3)
         self.metrics.observe("publish_latency_ms", (t3 - t2) * 1e3)
