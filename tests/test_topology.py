@@ -160,7 +160,7 @@ def test_a_role_with_settings_of_its_own_gets_its_own_config_file(tmp_path):
     from rlstream.launcher import Launcher, standard_roles
 
     class Sup:
-        def start(self, name, args, may_exit=False):
+        def start(self, name, args, may_exit=False, memory_limit_mb=None):
             self.started = (name, args)
 
     cfg = load_config(None, [f"run_dir={tmp_path}"], environ={})
