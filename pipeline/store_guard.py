@@ -152,11 +152,19 @@ class StoreGuard:
             t.join(5)
 
     # -- the call ----------------------------------------------------------------------------------
-    def call(self, fn: Callable, what: str, where: str, need_bytes: int = 0, cleanup: Callable | None = None):
+    def call(
+        self,
+        fn: Callable,
+        what: str,
+        where: str,
+        need_bytes: int | Callable[[], int] = 0,
+        cleanup: Callable | None = None,
+    ):
         """``fn()``, through storage faults; its result. ``what``: the write, for messages ("writing
         weights v3"); ``where``: the directory or URI it writes to; ``need_bytes``: about how much it
-        writes (a full disk is said with it, and the wait ends once that much is free); ``cleanup``:
-        removes what a failed try left (called after each failure, its own errors logged)."""
+        writes, or a function that tells it, called only after a failure (a full disk is said with
+        it, and the wait ends once that much is free); ``cleanup``: removes what a failed try left
+        (called after each failure, its own errors logged)."""
         t0, tries, said = time.monotonic(), 0, None
         while True:
             tries += 1
@@ -165,6 +173,8 @@ class StoreGuard:
                 with self.section(what), self._slow_watch(what, where) as slow:
                     result = fn()
             except Exception as exc:
+                if callable(need_bytes):
+                    need_bytes = need_bytes()
                 full = is_disk_full(exc) or self._short_of_space(exc, where, need_bytes)
                 if not full and (not isinstance(exc, OSError) or isinstance(exc, NOT_STORAGE)):
                     if said or (slow is not None and slow.is_set()):

@@ -204,20 +204,17 @@ class TrainerCheckpoints:
 
     def save_engine(self, engine, tag: str) -> None:
         """``engine.save`` into the tag's directory (through ``guard``: a failed try's directory is
-        removed before the next)."""
+        removed before the next). Nothing is removed before a try: the other ranks of a multi-rank
+        trainer write their shards into the same directory at the same time."""
         d = self.tag_dir(tag)
-        need = (
-            max((tree_bytes(str(x)) for x in self.ckpts.iterdir() if x.name != tag), default=0)
-            if self.ckpts.is_dir()
-            else 0
-        )
 
-        def attempt() -> None:
-            shutil.rmtree(d, ignore_errors=True)  # what a failed try left
-            engine.save(d)
+        def need() -> int:  # about one checkpoint: the largest earlier one (after a failure only)
+            if not self.ckpts.is_dir():
+                return 0
+            return max((tree_bytes(str(x)) for x in self.ckpts.iterdir() if x.name != tag), default=0)
 
         self.guard.call(
-            attempt, f"writing trainer checkpoint {tag}", str(self.root), need,
+            lambda: engine.save(d), f"writing trainer checkpoint {tag}", str(self.root), need,
             lambda: shutil.rmtree(d, ignore_errors=True),
         )  # fmt: skip
 
