@@ -178,7 +178,7 @@ class LocalBroker(RunningState, BrokerSecurity):
             out, _ = fmt.communicate()
             if fmt.returncode != 0:
                 raise BrokerError(f"formatting Kafka storage failed:\n{out[-2000:]}")
-        proc = spawn_broker(java, self.cfg.heap_mb, props_file, self.logfile)
+        proc = spawn_broker(java, self.cfg, props_file, self.logfile)
         self.pidfile.write_text(str(proc.pid))
         if owned:
             self._watch = start_watch(proc.pid, self.logfile)
@@ -365,13 +365,13 @@ def format_storage(java: list[str], cluster_id: str, props_file: Path, extra: li
     )
 
 
-def spawn_broker(java: list[str], heap_mb: int, props_file: Path, logfile: Path) -> subprocess.Popen:
-    """Start a Kafka JVM on ``props_file`` in its own session, its output appended to ``logfile``."""
+def spawn_broker(java: list[str], cfg, props_file: Path, logfile: Path) -> subprocess.Popen:
+    """Start a Kafka JVM on ``props_file`` in its own session, its output appended to ``logfile``.
+    ``cfg`` is the BrokerConfig (heap and java options)."""
     jvm = [
-        f"-Xms{min(256, heap_mb)}m",
-        f"-Xmx{heap_mb}m",
-        "-XX:+UseG1GC",
-        "-XX:MaxGCPauseMillis=20",
+        f"-Xms{min(256, cfg.heap_mb)}m",
+        f"-Xmx{cfg.heap_mb}m",
+        *cfg.jvm_options,
         "-XX:+ExitOnOutOfMemoryError",
         "-Djava.awt.headless=true",
     ]

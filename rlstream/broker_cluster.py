@@ -190,7 +190,7 @@ class LocalCluster(RunningState):
         self._owned = owned
         procs = {}
         for i in ports:
-            procs[i] = spawn_broker(javas[i], self.cfg.heap_mb, self.node_dir(i) / "server.properties", self.logfile(i))
+            procs[i] = spawn_broker(javas[i], self.cfg, self.node_dir(i) / "server.properties", self.logfile(i))
             if owned:
                 self._watches[i] = start_watch(procs[i].pid, self.logfile(i))
         state = {
@@ -271,7 +271,7 @@ class LocalCluster(RunningState):
             return int(ns["pid"])
         reap_watch(self._watches.pop(node, None))
         java = java_command(classpath(progress), self.node_dir(node))
-        proc = spawn_broker(java, self.cfg.heap_mb, self.node_dir(node) / "server.properties", self.logfile(node))
+        proc = spawn_broker(java, self.cfg, self.node_dir(node) / "server.properties", self.logfile(node))
         if self._owned:
             self._watches[node] = start_watch(proc.pid, self.logfile(node))
         state = self._recorded_state()

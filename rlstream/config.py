@@ -37,6 +37,9 @@ from pipeline.models import ModelConfig, TinyModelConfig
 from producers.config import FeedConfig, RolloutConfig
 from rlstream.lease import LeaseConfig
 
+BROKER_JVM_OPTIONS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:TieredStopAtLevel=1")
+"""The local broker's default ``broker.jvm_options``."""
+
 
 class BrokerConfig(StrictModel):
     """The local KRaft broker of ``rlstream broker`` (development and tests; no Docker needed)."""
@@ -49,6 +52,12 @@ class BrokerConfig(StrictModel):
     """Holds the log dirs, server.properties, the pidfile and broker.log."""
     heap_mb: int = Field(768, ge=256, le=65536)
     """JVM heap of the local broker."""
+    jvm_options: list[str] = Field(default_factory=lambda: list(BROKER_JVM_OPTIONS), max_length=64)
+    """Options of the broker's ``java`` command (the heap is ``heap_mb``). The default compiles
+    with the JVM's quick compiler only (``-XX:TieredStopAtLevel=1``): a new broker reaches its
+    speed within seconds and spends about half the CPU of a full JIT on a job's first minutes, which
+    is what a workstation or a small node feels (docs/results/performance.md). For a long-lived
+    broker under heavy load, drop that option to let the optimising compiler in."""
     start_timeout_s: float = Field(120.0, gt=0)
     """How long `broker start` waits for the broker to accept connections."""
     nodes: int = Field(1, ge=1, le=9)
@@ -80,6 +89,11 @@ class BrokerConfig(StrictModel):
                 raise ValueError(
                     f"broker.users.{name}: the password must be 8-256 characters without ',', '\"', '\\' or whitespace"
                 )
+        for opt in self.jvm_options:
+            if not opt.startswith("-"):
+                raise ValueError(f"broker.jvm_options: {opt!r} is not a java option (options start with '-')")
+            if opt.startswith(("-Xmx", "-Xms")):
+                raise ValueError(f"broker.jvm_options: {opt!r} sets the heap; set broker.heap_mb instead")
         if self.security == "sasl_ssl" and self.nodes > 1:
             raise ValueError('broker.security = "sasl_ssl" works with broker.nodes = 1 only (for now)')
         if self.security == "sasl_ssl" and "admin" not in self.users:

@@ -155,3 +155,14 @@ def test_consumers_re_check_a_full_fetch_queue_every_20_ms_unless_configured():
     tuned = load_config(None, ['kafka.consumer={"fetch.queue.backoff.ms" = 5}'], environ={})
     assert default._conf["fetch.queue.backoff.ms"] == 20
     assert Consumer(client_conf(tuned, "t", kind="consumer"))._conf["fetch.queue.backoff.ms"] == 5
+
+
+def test_broker_java_options_are_checked():
+    from rlstream.config import BROKER_JVM_OPTIONS, BrokerConfig
+
+    assert BrokerConfig().jvm_options == list(BROKER_JVM_OPTIONS)
+    assert BrokerConfig(jvm_options=[]).jvm_options == []
+    with pytest.raises(ValueError, match=r"set broker\.heap_mb instead"):
+        BrokerConfig(jvm_options=["-Xmx4g"])
+    with pytest.raises(ValueError, match="is not a java option"):
+        BrokerConfig(jvm_options=["TieredStopAtLevel=1"])

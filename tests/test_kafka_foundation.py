@@ -4,6 +4,7 @@ import os
 import random
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +133,8 @@ def test_broker_cli_lifecycle(tmp_path):
         status = run_cli(["broker", "status"], env)
         assert bootstrap in status.stdout
         pid = int((tmp_path / "b" / "broker.pid").read_text())
+        java_args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-XX:TieredStopAtLevel=1" in java_args and b"-Xmx384m" in java_args  # broker.jvm_options, heap_mb
         assert "Kafka" in run_cli(["broker", "logs", "-n", "200"], env).stdout
         env_c = {**env, "RLSTREAM_KAFKA__BOOTSTRAP_SERVERS": bootstrap}
         assert run_cli(["topics", "create"], env_c).stdout.count("created") == 6

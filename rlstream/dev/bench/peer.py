@@ -50,7 +50,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlstream.dev.bench import learn
+from pipeline.ports import free_port
+from rlstream.config import BROKER_JVM_OPTIONS
+from rlstream.dev.bench import cold_trace, learn
+from rlstream.dev.bench.cold_trace import ProcessCPU, broker_requests, jmx_options
 from rlstream.dev.bench.harness import (
     REPO,
     BenchContext,
@@ -202,6 +205,7 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
     work.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_") or k == "RLSTREAM_CACHE"}
     env["RLSTREAM_HOME"] = str(home)
+    sampler, requests = None, {}
     status, load0, b0, cpu0, t_start, wall, pid, broker_s = (
         "broker did not start",
         os.getloadavg()[0],
@@ -214,7 +218,9 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
     )
     try:
         t = time.time()
-        got = _rlstream(env, "broker", "start", timeout_s=300)
+        jmx = free_port("127.0.0.1")  # the broker's request counters (cold_trace)
+        opts = json.dumps([*BROKER_JVM_OPTIONS, *jmx_options(jmx)])
+        got = _rlstream(env, "broker", "start", "-s", f"broker.jvm_options={opts}", timeout_s=300)
         broker_s = round(time.time() - t, 1)
         if got.returncode == 0:
             state = json.loads(_rlstream(env, "broker", "status", timeout_s=60).stdout or "{}")
@@ -225,6 +231,7 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
             with open(work / "run.out", "w") as out:
                 proc = subprocess.Popen([sys.executable, "-m", "rlstream", *args], env=env, cwd=work, stdout=out,
                                         stderr=subprocess.STDOUT)  # fmt: skip
+                sampler = ProcessCPU(proc.pid, {"broker": pid})
                 try:
                     proc.wait(timeout=sz["budget_s"])
                     status = "finished" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -238,7 +245,9 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
                         except subprocess.TimeoutExpired:
                             proc.kill()
                             proc.wait()
+                    sampler.stop()
             wall = round(time.time() - t_start, 1)
+            requests = broker_requests(jmx)
     finally:
         b1 = cpu_seconds(pid)
         _rlstream(env, "broker", "stop", timeout_s=120)
@@ -255,6 +264,8 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
     return {"arm": COLD, "name": name, "status": status, "wall_s": wall, **figures(log, t_start, sz["steps"]),
             "samples_trained": samples, "cpu_s": round(cpu, 1), "broker_cpu_s": broker, "broker_start_s": broker_s,
             "samples_per_cpu_s": rnd(samples / cpu) if cpu else None, "stage_pause_s": stage, "weights": digest,
+            "cpu_by_process": sampler.by_name(run_dir / "logs" / "events.jsonl") if sampler else {},
+            "broker_requests": requests,
             "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
 
 
@@ -387,7 +398,16 @@ def table(result: dict) -> str:
     w = result["weights"]
     head = (f"Start weights: `{w['model_dir']}`, files {w['fingerprint']}, weights digest {w['digest']} "
             f"(each TRL run reports the digest of what it loaded).\n\n")  # fmt: skip
-    return head + runs + "\n\n" + med + ratio
+    trl_cpu = [r["cpu_s"] for r in result["runs"] if r["arm"] == "trl" and r.get("cpu_s")]
+    where = cold_trace.table([r for r in result["runs"] if r["arm"] == COLD], n, _median(trl_cpu))
+    return (
+        head
+        + runs
+        + "\n\n"
+        + med
+        + ratio
+        + (f"\n\nWhere the cold arm's CPU and broker requests go:\n\n{where}" if where else "")
+    )
 
 
 def plot(out: Path, result: dict) -> list[Path]:
