@@ -190,6 +190,10 @@ def test_bench_peer_tiny(cli_env, kafka_bootstrap, tmp_path):
     ]
     cold = p["runs"][-1]  # a broker of its own, started for it, stopped after it
     assert positive(cold["broker_start_s"]) and positive(cold["broker_cpu_s"]), cold
+    # where its CPU went, by process, and the broker's requests (Kafka's counters over JMX)
+    assert {"launcher", "forkserver", "trainer", "broker"} <= set(cold["cpu_by_process"]), cold["cpu_by_process"]
+    assert positive(cold["cpu_by_process"]["trainer"]) and positive(cold["cpu_by_process"]["broker"])
+    assert cold["broker_requests"].get("Fetch", 0) > 0 and cold["broker_requests"].get("EndTxn", 0) > 0
     for r in p["runs"]:
         assert r["status"] in ("ok", "finished"), r
         assert r["steps"] == p["steps"] and r["samples_trained"] > 0
@@ -206,6 +210,7 @@ def test_bench_peer_tiny(cli_env, kafka_bootstrap, tmp_path):
     assert Path(p["plots"][0]).stat().st_size > 1000
     text = docs.read_text()
     assert "<!-- bench:peer -->" in text and "| arm (median) |" in text and "img/bench/peer.png" in text
+    assert "| process (cold arm, median of runs) |" in text and "| broker requests (cold arm" in text
 
 
 @pytest.mark.bench

@@ -29,6 +29,10 @@ would be: the broker's start is not in the figure, its CPU is). Per run:
   between two trajectories of one rollout worker);
 * the 1-minute load average before and after.
 
+The cold arm (``run_cold``) runs as a user does: a new local broker, a fresh ``rlstream run``.
+It also says where its time goes (``cold_trace``): CPU seconds per process of the run and the
+broker's requests per step by type.
+
 ``--size full`` also runs the recipe at k = 2 with one rollout and one reward worker (``1+1
 workers``, after k = 2 in each repeat): the job sized to a 2-core machine.
 
