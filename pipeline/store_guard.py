@@ -98,6 +98,56 @@ def _mb(n: int) -> str:
     return f"{max(0, n) / MB:.0f} MB" if n >= MB or n <= 0 else f"{n / MB:.1f} MB"
 
 
+class SlowWatch:
+    """Says a write that has run past ``limit`` seconds (``say(text)``), from one daemon thread
+    that lives as long as the process: a write costs a lock and a flag, not a thread. The thread
+    sleeps until the write it watches is due; a write that ends sooner is found ended when it
+    wakes, and the next one is watched from there (a write started while it is idle wakes it)."""
+
+    def __init__(self, limit: float, say: Callable[[str | None], None]):
+        self.limit, self.say = limit, say
+        self._cond = threading.Condition()
+        self._current: tuple | None = None  # (what, where, started, said) of the write in progress
+        self._idle = False
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def watch(self, what: str, where: str):
+        """Around one write; yields an Event set once the write was said to be slow."""
+        said = threading.Event()
+        with self._cond:
+            self._current = (what, where, time.monotonic(), said)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="store-slow", daemon=True)
+                self._thread.start()
+            elif self._idle:
+                self._cond.notify()
+        try:
+            yield said
+        finally:
+            with self._cond:
+                self._current = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._current is None:
+                    self._idle = True
+                    self._cond.wait()
+                self._idle = False
+                current = self._current
+                what, where, started, said = current
+                left = started + self.limit - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                # said under the lock: the write's end (which clears what was said) comes after it
+                said.set()
+                self.say(f"weights store slow: {what} at {where} has taken over {self.limit:.0f} s")
+                while self._current is current:  # wait for the next write
+                    self._cond.wait(1.0)
+
+
 class StoreGuard:
     """Runs a role's writes through storage faults (see the module doc). ``worker``: the role
     (``pipeline.worker.Worker``), read at each use: its ``metrics`` (``WorkerMetrics``, or None:
@@ -112,6 +162,7 @@ class StoreGuard:
         self.liveness, self.worker = liveness, worker
         self.paused_s = 0.0
         """Seconds this guard has spent waiting on faults, in all."""
+        self._slow: SlowWatch | None = None
 
     @property
     def metrics(self):
@@ -133,23 +184,12 @@ class StoreGuard:
 
     @contextlib.contextmanager
     def _slow_watch(self, what: str, where: str):
-        """Say the store is slow if the write is still running after ``liveness.store_slow_s``."""
-        said = threading.Event()
-        done = threading.Event()
-        limit = self.liveness.store_slow_s
-
-        def watch():
-            if not done.wait(limit):
-                said.set()
-                self._say(f"weights store slow: {what} at {where} has taken over {limit:.0f} s")
-
-        t = threading.Thread(target=watch, name="store-slow", daemon=True)
-        t.start()
-        try:
+        """Say the store is slow if the write is still running after ``liveness.store_slow_s``
+        (``SlowWatch``: one thread for all of this guard's writes, not one per write)."""
+        if self._slow is None:
+            self._slow = SlowWatch(self.liveness.store_slow_s, self._say)
+        with self._slow.watch(what, where) as said:
             yield said
-        finally:
-            done.set()
-            t.join(5)
 
     # -- the call ----------------------------------------------------------------------------------
     def call(

@@ -244,7 +244,9 @@ def test_the_net_fault_class_partitions_a_supervised_role_and_heals_it(tmp_path)
 # ---- a partitioned rollout worker in a real job ------------------------------------------------
 JOB = REPO / "examples/next-digit.toml"
 SESSION_MS = 6000
-STEPS = 60
+STEPS = 300
+"""At k = 0 (each step waits for the one before: ~0.15 s a step here) the job outlasts the
+partition (the session timeout and 4 s) and the heal, however fast the machine."""
 
 
 def _roles(events: Path) -> dict[int, str]:
@@ -288,8 +290,8 @@ def test_a_rollout_worker_partitioned_past_its_session_loses_and_duplicates_noth
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
         env.update(RLSTREAM_KAFKA__BOOTSTRAP_SERVERS=bootstrap, RLSTREAM_RUN_DIR=str(tmp_path / "runs"),
                    RLSTREAM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")  # fmt: skip
-        sets = [f"job.name={name}", "rollout.max_inflight=32", f"rollout.session_timeout_ms={SESSION_MS}",
-                f"reward.session_timeout_ms={SESSION_MS}"]  # fmt: skip
+        sets = [f"job.name={name}", "rl.max_staleness=0", "rollout.max_inflight=32",
+                f"rollout.session_timeout_ms={SESSION_MS}", f"reward.session_timeout_ms={SESSION_MS}"]  # fmt: skip
         out = tmp_path / "job.out"
         with open(out, "wb") as fh:
             job = subprocess.Popen(

@@ -436,3 +436,24 @@ def test_a_store_that_cannot_remove_old_versions_does_not_stop_the_trainer(make_
     finally:
         faultfs.write_orders(orders, None)
         run.close()
+
+
+def test_one_thread_watches_every_write_and_says_only_the_slow_ones():
+    """``SlowWatch``: many quick writes start no thread each and say nothing; a write past the
+    limit is said once while it runs, and the watch goes on to the next write."""
+    from pipeline.store_guard import SlowWatch
+
+    lines: list = []
+    watch = SlowWatch(1.0, lines.append)
+    before = threading.active_count()
+    for _ in range(200):
+        with watch.watch("writing weights v1", "/store") as said:
+            pass
+        assert not said.is_set()
+    assert threading.active_count() <= before + 1 and lines == []
+    with watch.watch("writing weights v2", "/store") as said:
+        assert said.wait(60), "a write past the limit was not said"
+    assert lines == ["weights store slow: writing weights v2 at /store has taken over 1 s"]
+    with watch.watch("writing weights v3", "/store") as said:
+        assert said.wait(60)  # the next slow write is said too
+    assert len(lines) == 2 and threading.active_count() <= before + 1
