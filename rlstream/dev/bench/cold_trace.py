@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import threading
 from collections import Counter
@@ -55,17 +56,17 @@ def broker_requests(port: int, timeout_s: float = 60.0) -> dict[str, int]:
 
 
 def _descendants(root: int) -> set[int]:
-    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                parent[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
+            children.setdefault(ppid, []).append(int(d))
     out, todo = set(), [root]
     while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p and c not in out]
+        kids = [c for c in children.get(todo.pop(), ()) if c not in out]
         out.update(kids)
         todo.extend(kids)
     return out
@@ -133,12 +134,6 @@ def kind_of(request: str) -> str:
     return next((k for k, names in KINDS.items() if request in names), "group and metadata")
 
 
-def _median(xs: list[float]) -> float:
-    import statistics
-
-    return statistics.median(xs) if xs else 0.0
-
-
 def table(runs: list[dict], steps: int, trl_cpu_s: float | None) -> str:
     """Markdown: the median CPU seconds of each process of ``runs`` (the cold arm's), per run and
     per step, beside TRL's whole run; then the broker's requests per step by kind and by type."""
@@ -150,16 +145,18 @@ def table(runs: list[dict], steps: int, trl_cpu_s: float | None) -> str:
     procs = list(dict.fromkeys(p for r in runs for p in r["cpu_by_process"]))
     rows = []
     for p in procs:
-        cpu = _median([r["cpu_by_process"].get(p, 0.0) for r in runs])
+        cpu = statistics.median([r["cpu_by_process"].get(p, 0.0) for r in runs])
         rows.append([p, f"{cpu:.1f}", f"{1000 * cpu / steps:.0f}"])
-    total = _median([sum(r["cpu_by_process"].values()) for r in runs])
+    total = statistics.median([sum(r["cpu_by_process"].values()) for r in runs])
     rows.append(["**all**", f"**{total:.1f}**", f"**{1000 * total / steps:.0f}**"])
     if trl_cpu_s:
         rows.append(["TRL (one process, whole run)", f"{trl_cpu_s:.1f}", f"{1000 * trl_cpu_s / steps:.0f}"])
     out = md_table(["process (cold arm, median of runs)", "CPU s per run", "CPU ms per step"], rows)
     reqs = [r["broker_requests"] for r in runs if r.get("broker_requests")]
     if reqs:
-        per = {t: _median([q.get(t, 0) / steps for q in reqs]) for t in dict.fromkeys(t for q in reqs for t in q)}
+        per = {
+            t: statistics.median([q.get(t, 0) / steps for q in reqs]) for t in dict.fromkeys(t for q in reqs for t in q)
+        }
         per = {t: v for t, v in per.items() if t not in SUBCOUNTS}
         kinds: dict[str, float] = {}
         for t, v in per.items():

@@ -57,7 +57,6 @@ from pathlib import Path
 from pipeline.ports import free_port
 from rlstream.config import BROKER_JVM_OPTIONS
 from rlstream.dev.bench import cold_trace, learn
-from rlstream.dev.bench.cold_trace import ProcessCPU, broker_requests, jmx_options
 from rlstream.dev.bench.harness import (
     REPO,
     BenchContext,
@@ -223,7 +222,7 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
     try:
         t = time.time()
         jmx = free_port("127.0.0.1")  # the broker's request counters (cold_trace)
-        opts = json.dumps([*BROKER_JVM_OPTIONS, *jmx_options(jmx)])
+        opts = json.dumps([*BROKER_JVM_OPTIONS, *cold_trace.jmx_options(jmx)])
         got = _rlstream(env, "broker", "start", "-s", f"broker.jvm_options={opts}", timeout_s=300)
         broker_s = round(time.time() - t, 1)
         if got.returncode == 0:
@@ -235,7 +234,7 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
             with open(work / "run.out", "w") as out:
                 proc = subprocess.Popen([sys.executable, "-m", "rlstream", *args], env=env, cwd=work, stdout=out,
                                         stderr=subprocess.STDOUT)  # fmt: skip
-                sampler = ProcessCPU(proc.pid, {"broker": pid})
+                sampler = cold_trace.ProcessCPU(proc.pid, {"broker": pid})
                 try:
                     proc.wait(timeout=sz["budget_s"])
                     status = "finished" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -251,7 +250,7 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
                             proc.wait()
                     sampler.stop()
             wall = round(time.time() - t_start, 1)
-            requests = broker_requests(jmx)
+            requests = cold_trace.broker_requests(jmx)
     finally:
         b1 = cpu_seconds(pid)
         _rlstream(env, "broker", "stop", timeout_s=120)
