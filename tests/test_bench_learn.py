@@ -137,3 +137,33 @@ def test_the_async_table_names_a_quorum_below_the_draws():
     assert _overprovision({"overprovision": 1, "overprovision_aborted_samples": 5, "overprovision_discarded_tokens": 40}) == "5 (40)"  # fmt: skip
     assert _overprovision({"overprovision": 2, "overprovision_tail": "train"}) == "+2, tail trained"  # an old row
     assert _overprovision({"overprovision": 2, "overprovision_tail": "train", "quorum": 6}) == "quorum 6 of 8, tail trained"  # fmt: skip
+
+
+def test_runs_over_seeds_are_summarised_per_k_with_intervals():
+    """``--seeds``: per k, the mean time and samples to the target over the runs that reached it
+    (the others counted as never reached), and pass@1 at the most samples every run was evaluated at."""
+    from rlstream.dev.bench.learn import by_k
+
+    def run(k, seed, points, hit):
+        curve = _curve(points)
+        r = summarize(curve, [], 0.2)
+        return {"k": k, "seed": seed, "status": "budget spent", "curve": curve, "loadavg_at_start": 1.0, **r} | (
+            {} if hit else {"time_to_target_s": None, "samples_to_target": None}
+        )
+
+    runs = [
+        run(0, 0, [(0, 0.1), (10, 0.3), (20, 0.4)], True),
+        run(0, 1, [(0, 0.1), (10, 0.2), (20, 0.5), (30, 0.6)], True),
+        run(1, 0, [(0, 0.1), (10, 0.15), (20, 0.2)], False),
+        run(1, 1, [(0, 0.1), (10, 0.35), (20, 0.45)], True),
+    ]
+    agg = by_k(runs)
+    assert agg["common_samples"] == 640  # the shortest run was evaluated up to v20
+    k0, k1 = agg["ks"]["0"], agg["ks"]["1"]
+    assert k0["n"] == 2 and k0["never_reached"] == 0 and k0["time_to_target_s"]["mean"] == 150.0
+    assert k0["time_to_target_s"]["lo"] < 150.0 < k0["time_to_target_s"]["hi"]
+    assert k0["pass_at_1_at_common"]["mean"] == pytest.approx(0.45)
+    assert k1["never_reached"] == 1 and k1["time_to_target_s"]["n"] == 1 and k1["time_to_target_s"]["lo"] is None
+    text = table({"target_gain": 0.2, "runs": runs, "by_k": agg})
+    assert "| 0 | 0 | budget spent |" in text and "pass@1 at 640 samples" in text
+    assert "| 1 | 2 | 100 | 320 | 1 | 0.325 [" in text

@@ -158,7 +158,11 @@ def bench(
         "",
         "--seeds",
         help="barrier: comma list of seeds, one pair of runs each (default 0); "
+        "learn, trl: comma list of seeds, one run of each arm per seed (default: the recipe's seeds); "
         "staleness: N (seeds 0..N-1) or a comma list (default: the size's, 20 at full).",
+    ),
+    ks: str = typer.Option(
+        "", "--ks", help="learn: comma list of rl.max_staleness values to run (default: the size's, 0,1,2 at full)."
     ),
     arms: str = typer.Option("", "--arms", help="staleness: comma list of arms (default all; names in its table)."),
     task: str = typer.Option("next-digit", "--task", help="staleness: next-digit or arithmetic."),
@@ -191,6 +195,13 @@ def bench(
     path, sets = sources(config, set_)
     cfg = load(config, set_, resolve=False)
     extra = {**({"budget_s": budget_s} if budget_s else {}), **({"seeds": seed_list} if seed_list else {})}
+    if ks:
+        if wanted != ["learn"]:
+            raise typer.BadParameter("--ks applies to the learn benchmark run alone")
+        try:
+            extra["ks"] = [int(k) for k in ks.split(",") if k.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"--ks must be a comma list of integers, got {ks!r}") from None
     if rules:
         extra["rules"] = [r.strip() for r in rules.split(",") if r.strip()]
         check_rules(wanted, extra["rules"])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rlstream.dev.bench import learn
 from rlstream.dev.bench.harness import REPO, BenchContext, md_table, write_json
+from rlstream.dev.bench.learn import at_samples, seed_sets
 
 RULES = {
     "default": [],
@@ -59,21 +60,10 @@ SIZES = {
 DEFAULT_SEEDS = [0]
 
 
-def seed_sets(seed: int) -> list[str]:
-    """The settings that make a run's data order, sampling and initial draws depend on ``seed``."""
-    return [f"feed.shuffle_seed={seed}", f"rollout.engine.seed={seed}", f"trainer.seed={seed}"]
-
-
 def run_sets(rule: str, seed: int) -> list[str]:
     """The settings of one run of ``rule`` with ``seed`` (the rule's after the seed's, so a rule
     may set a seed of its own)."""
     return [*seed_sets(seed), *(s.format(seed=seed) for s in RULES[rule])]
-
-
-def at_samples(curve: list[dict], samples: int) -> float | None:
-    """pass@1 of the last evaluated version trained on at most ``samples`` samples."""
-    seen = [c for c in curve if c["samples"] <= samples]
-    return seen[-1]["pass_at_1"] if seen else None
 
 
 def run(ctx: BenchContext) -> dict:

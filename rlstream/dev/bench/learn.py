@@ -62,6 +62,17 @@ SIZES = {
 }
 
 
+def seed_sets(seed: int) -> list[str]:
+    """The settings that make a run's data order, sampling and initial draws depend on ``seed``."""
+    return [f"feed.shuffle_seed={seed}", f"rollout.engine.seed={seed}", f"trainer.seed={seed}"]
+
+
+def at_samples(curve: list[dict], samples: int) -> float | None:
+    """pass@1 of the last evaluated version trained on at most ``samples`` samples."""
+    seen = [c for c in curve if c["samples"] <= samples]
+    return seen[-1]["pass_at_1"] if seen else None
+
+
 def _job_sets(ctx: BenchContext, name: str, k: int, sz: dict, subdir: str = "learn") -> list[str]:
     # k = 0 alternates generation and training, so each may use every core; with k > 0 they overlap
     # and keep the launcher's one thread per process (``sync_threads = False``: the launcher's always)
@@ -121,14 +132,19 @@ def job_config(job: dict):
     return load_config(job["run_dir"] / "config.toml", [], environ={})
 
 
-def run_one(ctx: BenchContext, name: str, k: int, sz: dict) -> dict:
-    """One job at staleness ``k`` for the size's budget; its curve and counts."""
-    ctx.say(f"[bench] learn {name}: k = {k}, budget {sz['budget_s']} s")
+def run_one(ctx: BenchContext, name: str, k: int, sz: dict, seed: int | None = None) -> dict:
+    """One job at staleness ``k`` for the size's budget (with ``seed``'s settings, ``seed_sets``,
+    when one is given); its curve and counts."""
+    ctx.say(
+        f"[bench] learn {name}: k = {k}" + ("" if seed is None else f", seed {seed}") + f", budget {sz['budget_s']} s"
+    )
+    if seed is not None:
+        sz = {**sz, "sets": [*sz["sets"], *seed_sets(seed)]}
     job = run_job(ctx, name, k, sz)
     cfg = job_config(job)
     curve = eval_curve(cfg, job["run_dir"], job["t_start"])
     result = summarize(curve, steps_log(job["run_dir"]), sz["target_gain"])
-    return {"name": name, "k": k, "status": job["status"], "wall_s": job["wall_s"],
+    return {"name": name, "k": k, "seed": seed, "status": job["status"], "wall_s": job["wall_s"],
             "loadavg_at_start": job["loadavg"][0], "curve": curve, **result}  # fmt: skip
 
 
@@ -196,38 +212,96 @@ def _fresh_logp_diff(steps: list[dict]) -> float | None:
     return rnd(sum(fresh) / len(fresh), 4) if fresh else None
 
 
+def ks_of(extra: dict, sz: dict) -> list[int]:
+    """``--ks``: the staleness bounds to run (default: the size's)."""
+    ks = [int(k) for k in extra.get("ks") or sz["ks"]]
+    if any(k < 0 for k in ks):
+        raise ValueError(f"bench learn --ks: staleness bounds are >= 0, got {ks}")
+    return ks
+
+
 def run(ctx: BenchContext) -> dict:
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
-    runs = []
-    for r in range(sz["repeats"]):
-        order = sz["ks"] if r % 2 == 0 else list(reversed(sz["ks"]))
-        for k in order:
-            runs.append(run_one(ctx, f"learn-{ctx.run_id}-k{k}-r{r}", k, sz))
-            write_json(ctx.out / "learn.json", {"benchmark": "learn", "runs": runs})
+    ks = ks_of(ctx.extra, sz)
+    seeds = list(ctx.extra.get("seeds") or [None])  # None: the recipe's own seeds
+    runs, turn = [], 0
+    for seed in seeds:  # seed by seed, the order of the ks alternating, so load drifts hit every k alike
+        for r in range(sz["repeats"]):
+            for k in ks if turn % 2 == 0 else list(reversed(ks)):
+                name = f"learn-{ctx.run_id}-k{k}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
+                runs.append(run_one(ctx, name, k, sz, seed))
+                write_json(ctx.out / "learn.json", {"benchmark": "learn", "runs": runs})
+            turn += 1
     result = {"benchmark": "learn", "size": ctx.size, "recipe": str(sz["recipe"].relative_to(REPO)),
-              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "runs": runs}  # fmt: skip
+              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "seeds": seeds, "runs": runs}  # fmt: skip
+    result["by_k"] = by_k(runs)
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(ctx.out / "learn.json", result)
     return result
 
 
+def by_k(runs: list[dict]) -> dict:
+    """Per k over its runs (seeds): time and samples to the target (a run that never reached it
+    counts as not reached and is left out of the mean), and held-out pass@1 at equal samples: at
+    the most samples that every run has an evaluated version for. Means with 95 % intervals."""
+    from rlstream.dev.bench.staleness import mean_ci
+
+    common = min((max((c["samples"] for c in r["curve"]), default=0) for r in runs), default=0)
+    out = {"common_samples": common, "ks": {}}
+    for k in dict.fromkeys(r["k"] for r in runs):
+        mine = [r for r in runs if r["k"] == k]
+        hit = [r for r in mine if r["time_to_target_s"] is not None]
+        at = [p for p in (at_samples(r["curve"], common) for r in mine) if p is not None]
+        out["ks"][str(k)] = {
+            "n": len(mine),
+            "never_reached": len(mine) - len(hit),
+            "time_to_target_s": mean_ci([r["time_to_target_s"] for r in hit]),
+            "samples_to_target": mean_ci([r["samples_to_target"] for r in hit]),
+            "pass_at_1_at_common": mean_ci(at),
+            "pass_at_1_best": mean_ci([r["pass_at_1_best"] for r in mine if r["pass_at_1_best"] is not None]),
+        }
+    return out
+
+
 def table(result: dict) -> str:
-    return md_table(
-        ["k", "status", "steps", "samples", "stale dropped", "step s (mean)", "pass@1 v0", "final (version)",
-         "best", f"time to v0 + {result['target_gain']:g}", "samples to it", "mean abs logprob diff (lag 0)",
-         "load avg at start"],
-        [[r["k"], r["status"], r["steps"], r["samples_trained"], r["stale_dropped"], r["mean_step_s"],
-          r["pass_at_1_v0"], f"{r['pass_at_1_final']} (v{r['final_version']})", r["pass_at_1_best"],
-          "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s",
+    seeded = any(r.get("seed") is not None for r in result["runs"])
+    runs = md_table(
+        ["k", *(["seed"] if seeded else []), "status", "steps", "samples", "stale dropped", "step s (mean)",
+         "pass@1 v0", "final (version)", "best", f"time to v0 + {result['target_gain']:g}", "samples to it",
+         "mean abs logprob diff (lag 0)", "load avg at start"],
+        [[r["k"], *([r.get("seed")] if seeded else []), r["status"], r["steps"], r["samples_trained"],
+          r["stale_dropped"], r["mean_step_s"], r["pass_at_1_v0"], f"{r['pass_at_1_final']} (v{r['final_version']})",
+          r["pass_at_1_best"], "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s",
           "-" if r["samples_to_target"] is None else r["samples_to_target"], r.get("logp_diff_fresh"),
           r["loadavg_at_start"]]
          for r in result["runs"]],
+    )  # fmt: skip
+    agg = result.get("by_k")
+    if not agg or not any(s["n"] > 1 for s in agg["ks"].values()):
+        return runs
+    return f"{runs}\n\n{by_k_table(agg, result['target_gain'])}"
+
+
+def _ci(c: dict, fmt: str) -> str:
+    if c["mean"] is None:
+        return "-"
+    return format(c["mean"], fmt) + ("" if c["lo"] is None else f" [{c['lo']:{fmt}}, {c['hi']:{fmt}}]")
+
+
+def by_k_table(agg: dict, target_gain: float) -> str:
+    return md_table(
+        ["k", "runs", f"time to v0 + {target_gain:g} (s)", "samples to it", "never reached",
+         f"pass@1 at {agg['common_samples']} samples", "best pass@1"],
+        [[k, s["n"], _ci(s["time_to_target_s"], ".0f"), _ci(s["samples_to_target"], ".0f"), s["never_reached"],
+          _ci(s["pass_at_1_at_common"], ".3f"), _ci(s["pass_at_1_best"], ".3f")]
+         for k, s in agg["ks"].items()],
     )  # fmt: skip
 
 
 def plot(out: Path, result: dict) -> list[Path]:
     def label(r: dict) -> str:
-        return f"k = {r['k']}" + (f" ({r['name'].rsplit('-', 1)[-1]})" if result.get("repeats", 1) > 1 else "")
+        seed = "" if r.get("seed") is None else f", seed {r['seed']}"
+        return f"k = {r['k']}{seed}" + (f" ({r['name'].rsplit('-', 1)[-1]})" if result.get("repeats", 1) > 1 else "")
 
     return plot_curves(out / "learn.png", result["runs"], label, f"staleness against quality: {result['recipe']}")
 

@@ -105,6 +105,7 @@ def run(
         cmd += " --profile" if profile else ""
         cmd += f" --budget-s {extra['budget_s']:g}" if extra and extra.get("budget_s") else ""
         cmd += f" --seeds {','.join(map(str, extra['seeds']))}" if extra and extra.get("seeds") else ""
+        cmd += f" --ks {','.join(map(str, extra['ks']))}" if extra and extra.get("ks") else ""
         cmd += f" --rules '{','.join(extra['rules'])}'" if extra and extra.get("rules") else ""
         cmd += f" --against {Path(extra['against']).name}" if extra and extra.get("against") else ""
         for name, result in summary["results"].items():

@@ -9,7 +9,7 @@ whole-group rule), ``k=2 decoupled`` (AReaL's decoupled PPO, ``trainer.loss.type
 trained: ``rollout.overprovision = 2``) and ``k=4 decoupled``. Tasks (``--task``): ``next-digit``
 (examples/next-digit.toml, ~25 s a run on 2 cores) and ``arithmetic`` (examples/arithmetic.toml,
 ~2 minutes a run). ``--seeds 20`` runs seeds 0-19; ``--seeds 3,7`` (more than one) those seeds. A
-seed sets the data order, the sampling and the initial weights (``barrier.seed_sets``); runs go
+seed sets the data order, the sampling and the initial weights (``learn.seed_sets``); runs go
 seed by seed, the arms' order alternating from seed to seed, so load drifts hit every arm alike.
 
 Per run, from the trainer's steps log, each step placed at the samples trained by the policy that
@@ -38,8 +38,8 @@ import statistics
 from pathlib import Path
 
 from rlstream.dev.bench import learn
-from rlstream.dev.bench.barrier import seed_sets
 from rlstream.dev.bench.harness import REPO, BenchContext, md_table, pyplot, rnd, save_figure, write_json
+from rlstream.dev.bench.learn import seed_sets
 
 ARMS = {
     "k=0": (0, []),

@@ -43,12 +43,13 @@ SIZES = {
 }  # fmt: skip
 
 
-def trl_spec(ctx: BenchContext, name: str, sz: dict) -> dict:
-    """What the TRL run needs, taken from the recipe's resolved config."""
+def trl_spec(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> dict:
+    """What the TRL run needs, taken from the recipe's resolved config (with ``seed``'s settings)."""
     from pipeline.models import materialize
     from rlstream.job import resolve
 
-    sets = [*ctx.base_sets, *sz["sets"], f"job.name={name}", f"run_dir={json.dumps(str(ctx.out / 'trl'))}"]
+    seeded = [] if seed is None else learn.seed_sets(seed)
+    sets = [*ctx.base_sets, *sz["sets"], *seeded, f"job.name={name}", f"run_dir={json.dumps(str(ctx.out / 'trl'))}"]
     cfg = resolve(sz["recipe"], sets, bootstrap="unused:1")
     t, o = cfg.trainer, cfg.trainer.optim
     return {
@@ -78,23 +79,23 @@ def trl_spec(ctx: BenchContext, name: str, sz: dict) -> dict:
     }
 
 
-def run_trl(ctx: BenchContext, name: str, sz: dict) -> dict:
-    spec = trl_spec(ctx, name, sz)
-    ctx.say(f"[bench] trl {name}: budget {sz['budget_s']} s")
+def run_trl(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> dict:
+    spec = trl_spec(ctx, name, sz, seed)
+    ctx.say(f"[bench] trl {name}: seed {spec['seed']}, budget {sz['budget_s']} s")
     load0 = os.getloadavg()[0]
     got = run_child(spec, timeout_s=sz["budget_s"] * 2 + 600)
     res = learn.summarize(got["curve"], [], sz["target_gain"])
     samples = got["steps"] * spec["group_size"] * spec["groups_per_step"]
     cpu, rc = got["cpu_s"], got["returncode"]
-    return {**res, "engine": "trl", "name": name, "status": "ok" if rc == 0 else f"exit {rc}",
+    return {**res, "engine": "trl", "name": name, "seed": seed, "status": "ok" if rc == 0 else f"exit {rc}",
             "wall_s": round(got["wall_s"], 1), "steps": got["steps"], "samples_trained": samples,
             "cpu_s": round(cpu, 1), "samples_per_cpu_s": round(samples / cpu, 3) if cpu else None,
             "eval_s": got.get("eval_s"), "curve": got["curve"], "loadavg_at_start": round(load0, 2)}  # fmt: skip
 
 
-def run_rlstream(ctx: BenchContext, name: str, sz: dict) -> dict:
+def run_rlstream(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> dict:
     cpu0 = cpu_children()
-    r = learn.run_one(ctx, name, sz["k"], {**learn.SIZES[ctx.size], **sz, "steps": 100_000})
+    r = learn.run_one(ctx, name, sz["k"], {**learn.SIZES[ctx.size], **sz, "steps": 100_000}, seed)
     cpu = cpu_children() - cpu0
     return {**r, "engine": f"rlstream k={sz['k']}", "cpu_s": round(cpu, 1),
             "samples_per_cpu_s": round(r["samples_trained"] / cpu, 3) if cpu else None}  # fmt: skip
@@ -107,12 +108,15 @@ def preflight() -> None:
 def run(ctx: BenchContext) -> dict:
     require_trl("trl")
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
-    runs = []
-    for r in range(sz["repeats"]):
-        for which in ("trl", "rlstream") if r % 2 == 0 else ("rlstream", "trl"):
-            name = f"peer-{ctx.run_id}-{which}-r{r}"
-            runs.append(run_trl(ctx, name, sz) if which == "trl" else run_rlstream(ctx, name, sz))
-            write_json(ctx.out / "trl.json", {"benchmark": "trl", "runs": runs})
+    runs, turn = [], 0
+    for seed in ctx.extra.get("seeds") or [None]:  # None: the recipe's own seeds
+        for r in range(sz["repeats"]):
+            for which in ("trl", "rlstream") if turn % 2 == 0 else ("rlstream", "trl"):
+                name = f"peer-{ctx.run_id}-{which}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
+                run_arm = run_trl if which == "trl" else run_rlstream
+                runs.append(run_arm(ctx, name, sz, seed))
+                write_json(ctx.out / "trl.json", {"benchmark": "trl", "runs": runs})
+            turn += 1
     result = {"benchmark": "trl", "size": ctx.size, "recipe": str(sz["recipe"].relative_to(REPO)),
               "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "runs": runs}  # fmt: skip
     write_json(ctx.out / "trl.json", result)
@@ -120,10 +124,12 @@ def run(ctx: BenchContext) -> dict:
 
 
 def table(result: dict) -> str:
+    seeded = any(r.get("seed") is not None for r in result["runs"])
     return md_table(
-        ["engine", "status", "steps", "samples", "samples / CPU-s", "pass@1 v0", "final (version)", "best",
-         f"time to v0 + {result['target_gain']:g}", "load avg at start"],
-        [[r["engine"], r["status"], r["steps"], r["samples_trained"], r["samples_per_cpu_s"], r["pass_at_1_v0"],
+        ["engine", *(["seed"] if seeded else []), "status", "steps", "samples", "samples / CPU-s", "pass@1 v0",
+         "final (version)", "best", f"time to v0 + {result['target_gain']:g}", "load avg at start"],
+        [[r["engine"], *([r.get("seed")] if seeded else []), r["status"], r["steps"], r["samples_trained"],
+          r["samples_per_cpu_s"], r["pass_at_1_v0"],
           f"{r['pass_at_1_final']} (v{r['final_version']})", r["pass_at_1_best"],
           "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s", r["loadavg_at_start"]]
          for r in result["runs"]],
