@@ -128,6 +128,19 @@ def test_rules_are_checked_against_the_one_benchmark_that_has_them_before_anythi
         check_rules(["barrier", "async"], ["default"])
 
 
+def test_ks_are_checked_before_anything_starts():
+    import typer
+
+    from rlstream.dev.commands import ks_option
+
+    assert ks_option(["learn"], "0, 2") == [0, 2]
+    for bad in ("0,x", "-1"):
+        with pytest.raises(typer.BadParameter, match="comma list of integers >= 0"):
+            ks_option(["learn"], bad)
+    with pytest.raises(typer.BadParameter, match="learn benchmark run alone"):
+        ks_option(["learn", "trl"], "0")
+
+
 def test_the_async_table_names_a_quorum_below_the_draws():
     """An over-provisioned row says what it drew and trained: aborted samples, or the tail trained
     with the quorum the group closed at where that is below the draws."""

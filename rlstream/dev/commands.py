@@ -122,6 +122,18 @@ def check_rules(benchmarks: list[str], rules: list[str]) -> None:
         raise typer.BadParameter(f"--rules: {mine[0]} has no rule {bad}; its rules are {known[mine[0]]}")
 
 
+def ks_option(benchmarks: list[str], ks: str) -> list[int]:
+    """``--ks`` of ``bench learn``: the staleness bounds, or BadParameter before anything starts."""
+    from rlstream.dev.bench.learn import ks_of
+
+    if benchmarks != ["learn"]:
+        raise typer.BadParameter("--ks applies to the learn benchmark run alone")
+    try:
+        return ks_of({"ks": [int(k) for k in ks.split(",") if k.strip()]}, {"ks": []})
+    except ValueError as e:
+        raise typer.BadParameter(f"--ks must be a comma list of integers >= 0, got {ks!r} ({e})") from None
+
+
 def staleness_options(benchmarks: list[str], arms: str, task: str) -> dict:
     """``--arms``/``--task`` of ``bench staleness``: BadParameter before anything starts."""
     from rlstream.dev.bench.staleness import ARMS, TASKS
@@ -196,12 +208,7 @@ def bench(
     cfg = load(config, set_, resolve=False)
     extra = {**({"budget_s": budget_s} if budget_s else {}), **({"seeds": seed_list} if seed_list else {})}
     if ks:
-        if wanted != ["learn"]:
-            raise typer.BadParameter("--ks applies to the learn benchmark run alone")
-        try:
-            extra["ks"] = [int(k) for k in ks.split(",") if k.strip()]
-        except ValueError:
-            raise typer.BadParameter(f"--ks must be a comma list of integers, got {ks!r}") from None
+        extra["ks"] = ks_option(wanted, ks)
     if rules:
         extra["rules"] = [r.strip() for r in rules.split(",") if r.strip()]
         check_rules(wanted, extra["rules"])
