@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -493,3 +494,33 @@ def save_figure(fig, path: Path) -> list[Path]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 22: 2.074, 24: 2.064, 26: 2.056, 28: 2.048, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
+"""Two-sided 95 % quantiles of Student's t by degrees of freedom."""
+
+
+def t95(df: float) -> float:
+    """The 95 % t quantile at ``df`` degrees of freedom (the table's entry at or below it; 1.96 past 120)."""
+    if df < 1:
+        return math.inf
+    return T95[max(d for d in T95 if d <= df)] if df <= 120 else 1.96
+
+
+def mean_ci(xs: list[float]) -> dict:
+    """Mean, standard error and the 95 % t-interval over the runs (seeds) (no interval from one value)."""
+    n = len(xs)
+    if n == 0:
+        return {"n": 0, "mean": None, "se": None, "lo": None, "hi": None}
+    m = statistics.fmean(xs)
+    se = statistics.stdev(xs) / math.sqrt(n) if n > 1 else None
+    half = t95(n - 1) * se if se is not None else None
+    return {
+        "n": n,
+        "mean": m,
+        "se": se,
+        "lo": None if half is None else m - half,
+        "hi": None if half is None else m + half,
+    }

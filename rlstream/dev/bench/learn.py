@@ -33,6 +33,7 @@ from rlstream.dev.bench.harness import (
     child_env,
     cpu_children,
     md_table,
+    mean_ci,
     metric_events,
     pyplot,
     rnd,
@@ -244,8 +245,6 @@ def by_k(runs: list[dict]) -> dict:
     """Per k over its runs (seeds): time and samples to the target (a run that never reached it
     counts as not reached and is left out of the mean), and held-out pass@1 at equal samples: at
     the most samples that every run has an evaluated version for. Means with 95 % intervals."""
-    from rlstream.dev.bench.staleness import mean_ci
-
     common = min((max((c["samples"] for c in r["curve"]), default=0) for r in runs), default=0)
     out = {"common_samples": common, "ks": {}}
     for k in dict.fromkeys(r["k"] for r in runs):
