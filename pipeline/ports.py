@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Collection
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A TCP port nobody listens on right now (the OS picks it), none of ``avoid``: ports picked
+    earlier and not yet bound, which the OS may hand out again."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

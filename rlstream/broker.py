@@ -135,7 +135,7 @@ class LocalBroker(RunningState, BrokerSecurity):
         if self.secured:
             props.update(self._security_properties())
         if self.advertised_port:
-            internal = free_port(host)
+            internal = free_port(host, avoid=(port, controller_port))
             props["listeners"] += f",INTERNAL://{host}:{internal}"
             props["advertised.listeners"] = f"{listener}://{host}:{self.advertised_port},INTERNAL://{host}:{internal}"
             props["inter.broker.listener.name"] = "INTERNAL"
@@ -164,7 +164,7 @@ class LocalBroker(RunningState, BrokerSecurity):
                 f"port {port} on {self.cfg.host} is already in use; set broker.port to another port "
                 "or 0 to pick a free one (or point kafka.bootstrap_servers at that broker)"
             )
-        controller_port = free_port(self.cfg.host)
+        controller_port = free_port(self.cfg.host, avoid=(port,))
         if self.secured:
             self._ensure_tls(progress)
         props_file = self.data_dir / "server.properties"

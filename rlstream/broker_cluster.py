@@ -131,8 +131,7 @@ class LocalCluster(RunningState):
         taken: set[int] = set()
 
         def fresh() -> int:
-            while (p := free_port(host)) in taken:
-                pass
+            p = free_port(host, avoid=taken)
             taken.add(p)
             return p
 
