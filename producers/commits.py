@@ -151,15 +151,17 @@ class PromptCommits:
         finish: Callable[[Callable[[TP], bool]], None],
         drop_queued: Callable[[Callable[[TP], bool]], None],
         failed: Callable[[], bool],
+        on_assign: Callable | None = None,
     ) -> None:
         """Subscribe ``consumer`` (whose config has ``on_commit`` set to ``self.on_commit``) to
         ``topic`` with the rebalance bookkeeping. ``finish(pred)`` publishes every admitted sample of
         the partitions matching ``pred`` and waits for their acknowledgements; ``drop_queued(pred)``
         forgets the queued (unadmitted) messages of a lost partition; ``failed()`` says whether the
-        worker is ending after an error (then a revoke finishes nothing)."""
+        worker is ending after an error (then a revoke finishes nothing); ``on_assign`` is called
+        as confluent-kafka calls it, after each assignment."""
         self.consumer = consumer
         self._finish, self._drop_queued, self._failed = finish, drop_queued, failed
-        consumer.subscribe([topic], on_revoke=self._on_revoke, on_lost=self._on_lost)
+        consumer.subscribe([topic], on_assign=on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
 
     def _on_revoke(self, _consumer, partitions) -> None:
         tps = {(p.topic, p.partition) for p in partitions}

@@ -232,7 +232,9 @@ class RolloutConfig(StrictModel):
     prometheus_port: int = Field(0, ge=0, le=65535)
     """Serve Prometheus /metrics on this port (0 = off)."""
     exit_when_idle_s: float = Field(0.0, ge=0)
-    """Stop after this long with nothing to do and no new prompts (0 = run forever)."""
+    """Stop after this long with nothing to do and no new prompts (0 = run forever). The time
+    counts from the worker's latest partition assignment; a worker the group never gives a
+    partition (more workers than prompt partitions) stops after ``liveness.startup_timeout_s``."""
     env: EnvConfig = EnvConfig()
     """Multi-turn environments."""
 

@@ -83,6 +83,8 @@ class RolloutWorker(Worker):
         """Consumed prompt messages, not admitted yet (``rollout.queue_samples``)."""
         self.stats = {"trajectories": 0, "dlq": 0, "admitted_groups": 0, "loads": 0}
         self._last_work = time.monotonic()
+        self._assigned_once = False
+        """The group gave this worker partitions at least once: the idle clock runs from then."""
         self._last_produced: float | None = None  # the ``produce_gap_s`` window: the stage's pauses
         pf = cfg.rollout.prefetch_samples
         self._prefetch = cfg.rollout.max_inflight if pf is None else pf
@@ -151,7 +153,18 @@ class RolloutWorker(Worker):
             cconf["group.instance.id"] = self.rc.group_instance_id
         self.consumer = Consumer(cconf, group_id=self.rc.group_id)
         self.startup_call(lambda: self.consumer.partitions(self.topics["prompts"]), "prompts topic")
-        self.commits.subscribe(self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed)
+        self._assigned_once = False
+        self.commits.subscribe(
+            self.consumer, self.topics["prompts"], self._drain, self.queue.drop, lambda: self.failed, self._assigned
+        )
+
+    def _assigned(self, _consumer, partitions) -> None:
+        """Partitions assigned: prompts may come now, so the idle clock restarts. An empty
+        assignment does not count: a cooperative rebalance first answers a joining member with
+        nothing and hands it partitions in a second round, once their owner has let them go."""
+        if partitions:
+            self._assigned_once = True
+            self._last_work = time.monotonic()
 
     def run_once(self) -> bool:
         if self.consumer is None:  # a spare (rollout.slots): warm, until a slot is free
@@ -164,9 +177,15 @@ class RolloutWorker(Worker):
             self.slots.renew_fenced(self, exc)
             return True
         idle = self.rc.exit_when_idle_s
-        if idle and not self._busy() and time.monotonic() - self._last_work > idle:
-            log.info("idle for %.1fs, stopping", idle)
-            return False
+        if idle and not self._busy():
+            # Until the group first gives it partitions the worker is waiting for its share, not
+            # idle: on a loaded machine a join takes longer than a short exit_when_idle_s. A member
+            # the group gives nothing (more workers than partitions) leaves at startup_timeout_s.
+            limit = idle if self._assigned_once else max(idle, self.liveness.startup_timeout_s)
+            if time.monotonic() - self._last_work > limit:
+                why = "" if self._assigned_once else " without a partition assigned"
+                log.info("idle for %.1fs%s, stopping", limit, why)
+                return False
         return True
 
     def finish(self) -> None:

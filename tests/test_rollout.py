@@ -348,6 +348,46 @@ def test_bad_prompts_go_to_the_dlq_and_the_worker_goes_on(make_config):
     assert committed(cfg)[3] == len(sent)  # committed past every bad message
 
 
+def test_idle_time_counts_from_the_group_join_not_from_the_subscription(make_config):
+    """A group join slower than ``exit_when_idle_s`` (here held up by a member that stops polling,
+    as a loaded machine holds one up): the worker waits for its share and generates the prompts
+    instead of leaving idle before the join gives it partitions. A worker the group gives nothing
+    (the one-partition topic's owner runs on) leaves after ``startup_timeout_s``."""
+    cfg_args = (
+        f"feed.source={DATA}", "feed.limit=2", "rl.group_size=2", "rl.max_staleness=100", "rollout.max_new_tokens=8",
+        "topics.prompts.partitions=1", "rollout.exit_when_idle_s=2", "liveness.startup_timeout_s=20",
+    )  # fmt: skip
+    cfg = make_config(*cfg_args)
+    feed.run(cfg)
+    topic = cfg.topics.name("prompts")
+    holder = Consumer(client_conf(cfg, "test", kind="consumer"), group_id=cfg.rollout.group_id)
+    got = threading.Event()
+    holder.subscribe([topic], on_assign=lambda _c, parts: parts and got.set())
+    try:
+        deadline = time.monotonic() + 120
+        while not got.is_set() and time.monotonic() < deadline:
+            holder.poll(0.2)
+        assert got.is_set(), "the holder never joined"
+        w = WorkerThread(cfg)  # its join waits for the holder, which is not polling
+        time.sleep(5)  # longer than exit_when_idle_s, which counts from an assignment only
+        assert w.thread.is_alive(), "the worker left before its group join answered"
+    finally:
+        holder.close()  # leaves the group: the worker's join answers with the partition
+    w.thread.join(180)
+    w.join()
+    assert len(trajectories(cfg, 4)) == 4 and w.worker.stats["trajectories"] == 4
+    assert sum(committed(cfg).values()) == 2
+    owner = WorkerThread(make_config(*cfg_args[:-2], "rollout.exit_when_idle_s=0", cfg_args[-1], create=False))
+    wait_for(lambda: owner.worker._assigned_once, 180, "the partition's owner", owner)
+    t0 = time.monotonic()
+    spare = WorkerThread(cfg)  # given nothing while the owner runs: leaves at startup_timeout_s, not at 2 s
+    spare.thread.join(240)
+    left_after = time.monotonic() - t0
+    spare.join()
+    owner.join()
+    assert cfg.liveness.startup_timeout_s <= left_after < 240 and not spare.worker.stats["trajectories"]
+
+
 def test_a_worker_whose_engine_fails_stops_with_the_error_instead_of_draining(make_config):
     """The engine raises with samples in flight and has lost them (the hf engine did, on an empty
     prompt): the worker's run ends with that error. Its final revoke used to wait for those samples

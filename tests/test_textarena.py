@@ -158,9 +158,9 @@ def inline(v) -> str:
 
 
 def pipeline_config(make_config, *extra: str, env: str = "textarena"):
-    """The job of the pipeline tests. The worker exits after 8 s without work, not 2 s: its idle
-    time counts from its subscription, and on a loaded machine a run with 2 s produced no
-    trajectory at all (the worker most likely left before its group join gave it the prompts)."""
+    """The job of the pipeline tests. The worker exits after 8 s without work (counted from its
+    partition assignment): a game turn waits on the environment's thread, which a loaded machine
+    may hold up for seconds."""
     return make_config(
         f"feed.source={DATA}", "rl.group_size=3", "rl.max_staleness=100", "model.max_position_embeddings=1024",
         "rollout.max_new_tokens=400", "rollout.env.max_turns=5", "rollout.env.max_turn_tokens=4",
