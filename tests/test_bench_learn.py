@@ -172,7 +172,7 @@ def test_runs_over_seeds_are_summarised_per_k_with_intervals():
     ]
     agg = by_k(runs)
     assert agg["common_samples"] == 640  # the shortest run was evaluated up to v20
-    k0, k1 = agg["ks"]["0"], agg["ks"]["1"]
+    k0, k1 = agg["arms"]["0"], agg["arms"]["1"]
     assert k0["n"] == 2 and k0["never_reached"] == 0 and k0["time_to_target_s"]["mean"] == 150.0
     assert k0["time_to_target_s"]["lo"] < 150.0 < k0["time_to_target_s"]["hi"]
     assert k0["pass_at_1_at_common"]["mean"] == pytest.approx(0.45)
@@ -180,3 +180,75 @@ def test_runs_over_seeds_are_summarised_per_k_with_intervals():
     text = table({"target_gain": 0.2, "runs": runs, "by_k": agg})
     assert "| 0 | 0 | budget spent |" in text and "pass@1 at 640 samples" in text
     assert "| 1 | 2 | 100 | 320 | 1 | 0.325 [" in text
+
+
+def test_a_bench_continues_the_runs_an_earlier_invocation_left_in_its_out_dir(tmp_path):
+    """Seed by seed, the arms' order alternating; the same ``--out`` keeps the completed runs (also
+    those of other seeds, for a later invocation) and runs the failed and missing ones."""
+    from rlstream.dev.bench.harness import in_plan, resume, schedule, write_json
+    from rlstream.dev.bench.learn import completed, run_key
+
+    assert schedule(["a", "b"], [0, 1], 2) == [
+        (0, 0, "a"), (0, 0, "b"), (0, 1, "b"), (0, 1, "a"), (1, 0, "a"), (1, 0, "b"), (1, 1, "b"), (1, 1, "a"),
+    ]  # fmt: skip
+    plan = schedule([0, 2], [0, 1, 2])
+    earlier = [
+        {"seed": 0, "k": 0, "status": "budget spent"},
+        {"seed": 0, "k": 2, "status": "exit 1"},  # failed: runs again
+        {"seed": 7, "k": 0, "status": "finished"},  # another invocation's seed: kept, not run
+    ]
+    write_json(tmp_path / "learn.json", {"runs": earlier[:2], "other_runs": earlier[2:]})
+    said = []
+    runs, todo = resume(tmp_path / "learn.json", plan, run_key, completed, said.append)
+    assert todo == [(0, 0, 2), (1, 0, 2), (1, 0, 0), (2, 0, 0), (2, 0, 2)]
+    assert [r["seed"] for r in runs] == [0, 7] and said == [f"[bench] 2 completed runs in {tmp_path / 'learn.json'}; 5 of 6 to run"]  # fmt: skip
+    later = {"seed": 1, "k": 2, "status": "budget spent", "repeat": 0}
+    mine, others = in_plan([*runs, later], plan, run_key)
+    assert mine == [runs[0], later] and others == [earlier[2]]
+    assert resume(tmp_path / "none.json", plan, run_key, completed, said.append) == ([], plan) and len(said) == 1
+
+
+def test_a_summarised_run_loses_its_checkpoints_and_weights_but_keeps_its_logs(tmp_path):
+    from types import SimpleNamespace
+
+    from rlstream.dev.bench.learn import prune
+
+    run_dir = tmp_path / "learn" / "job"
+    for d in ("trainer/ckpts/step-3", "checkpoints/weights/v3", "logs"):
+        (run_dir / d).mkdir(parents=True)
+        (run_dir / d / "f").write_text("x")
+    (run_dir / "trainer" / "steps.jsonl").write_text("{}\n")
+    shared = tmp_path / "shared-store"
+    shared.mkdir()
+    prune({"run_dir": run_dir}, SimpleNamespace(store=str(shared)))  # a store not the run's own stays
+    assert shared.is_dir() and (run_dir / "checkpoints").is_dir() and not (run_dir / "trainer" / "ckpts").exists()
+    prune({"run_dir": run_dir}, SimpleNamespace(store=str(run_dir / "checkpoints")))
+    assert not (run_dir / "checkpoints").exists()
+    assert (run_dir / "trainer" / "steps.jsonl").is_file() and (run_dir / "logs" / "f").is_file()
+
+
+def test_the_trl_bench_summarises_each_engine_over_seeds():
+    """Per engine: time to the target, pass@1 at equal samples and at the budget, samples per CPU-second."""
+    from rlstream.dev.bench.learn import over_seeds
+    from rlstream.dev.bench.trl_peer import run_key
+    from rlstream.dev.bench.trl_peer import table as trl_table
+
+    def run(engine, seed, points, rate):
+        curve = _curve(points)
+        return {"engine": engine, "seed": seed, "status": "ok", "steps": 30, "samples_trained": 960, "curve": curve,
+                "samples_per_cpu_s": rate, "loadavg_at_start": 1.0, **summarize(curve, [], 0.2)}  # fmt: skip
+
+    runs = [
+        run("trl", 0, [(0, 0.1), (10, 0.2), (20, 0.3), (30, 0.5)], 0.8),
+        run("rlstream k=1", 0, [(0, 0.1), (10, 0.3), (20, 0.4)], 1.0),
+        run("trl", 1, [(0, 0.1), (10, 0.1), (20, 0.2), (30, 0.25)], 0.9),
+        run("rlstream k=1", 1, [(0, 0.1), (10, 0.2), (20, 0.5)], 1.2),
+    ]
+    assert run_key(runs[1]) == (0, 0, "rlstream")
+    agg = over_seeds(runs, lambda r: r["engine"], 150)
+    trl, rl = agg["arms"]["trl"], agg["arms"]["rlstream k=1"]
+    assert agg["common_samples"] == 640 and trl["pass_at_1_at_budget"]["mean"] == pytest.approx(0.15)
+    assert rl["samples_per_cpu_s"]["mean"] == pytest.approx(1.1) and trl["never_reached"] == 1
+    text = trl_table({"target_gain": 0.2, "runs": runs, "by_engine": agg})
+    assert "| engine | runs | time to v0 + 0.2 (s) |" in text and "pass@1 at 150 s" in text
+    assert "| rlstream k=1 | 2 | 150 [" in text and "samples / CPU-s |" in text

@@ -155,7 +155,12 @@ def bench(
     ],
     size: str = typer.Option("full", "--size", help="tiny (CI smoke test) | full (the documented run)."),
     engine: str = typer.Option("sim,hf", "--engine", help="async: comma list of sim (load generator) and hf."),
-    out: Path | None = typer.Option(None, "--out", help="Run directory (default <run_dir>/bench-<id>)."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Run directory (default <run_dir>/bench-<id>); learn, trl and staleness given the --out of an earlier "
+        "invocation keep its completed runs and run the rest.",
+    ),
     docs: Path | None = typer.Option(None, "--docs", help="Update the generated tables of this markdown file."),
     bootstrap: str | None = typer.Option(
         None, "--bootstrap", help="Kafka to use (default kafka.bootstrap_servers, else a local broker)."
@@ -189,6 +194,12 @@ def bench(
         "--against",
         help="barrier: an earlier barrier.json whose runs of the other rules (same seeds) to pair with.",
     ),
+    keep_data: bool = typer.Option(
+        False,
+        "--keep-data",
+        help="learn, trl, barrier, staleness: keep each run's trainer checkpoints and published weights "
+        "(by default removed once the run is summarised; its steps log, evals and logs stay).",
+    ),
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -218,5 +229,7 @@ def bench(
         if not against.is_file():
             raise typer.BadParameter(f"--against {against}: no such file (a barrier.json of an earlier run)")
         extra["against"] = str(against.resolve())
+    if keep_data:
+        extra["keep_data"] = True
     run(wanted, cfg, path, sets, size, out, docs, bootstrap, profile, engine.split(","), say=console.print,
         extra=extra or None)  # fmt: skip

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlstream.dev.bench import learn
-from rlstream.dev.bench.harness import REPO, BenchContext, md_table, write_json
+from rlstream.dev.bench.harness import REPO, BenchContext, md_table, schedule, write_json
 from rlstream.dev.bench.learn import at_samples, seed_sets
 
 RULES = {
@@ -79,14 +79,13 @@ def run(ctx: BenchContext) -> dict:
         names = ["default", *(n for n in names if n != "default")]
     pairs = [(seed, r) for seed in seeds for r in range(sz["repeats"])]
     mine = [n for n in names if not any(r["rule"] == n for r in runs)]
-    for i, (seed, r) in enumerate(pairs):  # the order alternates from pair to pair
-        for rule in mine if i % 2 == 0 else list(reversed(mine)):
-            case = {**sz, "sets": [*sz["sets"], *run_sets(rule, seed)]}
-            tag = rule.replace(" ", "")
-            row = learn.run_one(ctx, f"barrier-{ctx.run_id}-{tag}-s{seed}-r{r}", sz["k"], case)
-            row["rule"], row["seed"], row["repeat"] = rule, seed, r
-            runs.append(row)
-            write_json(ctx.out / "barrier.json", {"benchmark": "barrier", "runs": runs})
+    for seed, r, rule in schedule(mine, seeds, sz["repeats"]):
+        case = {**sz, "sets": [*sz["sets"], *run_sets(rule, seed)]}
+        tag = rule.replace(" ", "")
+        row = learn.run_one(ctx, f"barrier-{ctx.run_id}-{tag}-s{seed}-r{r}", sz["k"], case)
+        row["rule"], row["seed"], row["repeat"] = rule, seed, r
+        runs.append(row)
+        write_json(ctx.out / "barrier.json", {"benchmark": "barrier", "runs": runs})
     # equal samples: the versions both curves of a pair reached (each run evaluates every
     # eval.every_versions)
     for seed, r in pairs:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -435,6 +435,37 @@ def write_json(path: Path, obj) -> Path:
     return path
 
 
+def schedule(arms: list, seeds: list, repeats: int = 1) -> list[tuple]:
+    """The run order of a benchmark that runs every arm once per seed and repeat, as ``(seed,
+    repeat, arm)``: seed by seed, the arms' order alternating from one turn to the next, so a drift
+    in the machine's load hits every arm alike."""
+    turns = [(seed, r) for seed in seeds for r in range(repeats)]
+    return [(seed, r, a) for i, (seed, r) in enumerate(turns) for a in (arms if i % 2 == 0 else arms[::-1])]
+
+
+def resume(
+    path: Path, plan: list, key: Callable[[dict], Hashable], done: Callable[[dict], bool], say=print
+) -> tuple[list[dict], list]:
+    """Continue the runs of an earlier invocation with the same ``--out``: the results file's
+    completed runs (``done``) stay and ``plan`` (run keys in order) loses theirs; a failed or
+    missing run is (re)run. Returns (the runs kept, the keys still to run)."""
+    held = json.loads(path.read_text()) if path.is_file() else {}
+    runs = [r for r in [*held.get("runs", []), *held.get("other_runs", [])] if done(r)]
+    have = {key(r) for r in runs}
+    todo = [k for k in plan if k not in have]
+    if runs:
+        say(f"[bench] {len(runs)} completed runs in {path}; {len(todo)} of {len(plan)} to run")
+    return runs, todo
+
+
+def in_plan(runs: list[dict], plan: list, key: Callable[[dict], Hashable]) -> tuple[list[dict], list[dict]]:
+    """``runs`` split into those of ``plan``, in its order, and the others, which a results file
+    keeps as ``other_runs`` for a later invocation (``resume``)."""
+    order = {k: i for i, k in enumerate(plan)}
+    mine = sorted((r for r in runs if key(r) in order), key=lambda r: order[key(r)])
+    return mine, [r for r in runs if key(r) not in order]
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     def cell(v):
         if v is None:
@@ -510,7 +541,8 @@ def t95(df: float) -> float:
 
 
 def mean_ci(xs: list[float]) -> dict:
-    """Mean, standard error and the 95 % t-interval over the runs (seeds) (no interval from one value)."""
+    """Mean, standard error and the 95 % t-interval of ``xs``, one value per run (seed); one value
+    gives no interval."""
     n = len(xs)
     if n == 0:
         return {"n": 0, "mean": None, "se": None, "lo": None, "hi": None}

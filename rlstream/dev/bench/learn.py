@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,12 +33,15 @@ from rlstream.dev.bench.harness import (
     BenchContext,
     child_env,
     cpu_children,
+    in_plan,
     md_table,
     mean_ci,
     metric_events,
     pyplot,
+    resume,
     rnd,
     save_figure,
+    schedule,
     write_json,
 )
 
@@ -133,9 +137,23 @@ def job_config(job: dict):
     return load_config(job["run_dir"] / "config.toml", [], environ={})
 
 
+def prune(job: dict, cfg) -> None:
+    """Remove what a summarised run no longer needs: the trainer's checkpoints and the published
+    weights (gigabytes a run of a real model). Its steps log, eval metrics, logs and config stay.
+    ``--keep-data`` keeps everything."""
+    from consumers.trainer.state import TrainerCheckpoints
+
+    run_dir = Path(job["run_dir"]).resolve()
+    shutil.rmtree(TrainerCheckpoints(run_dir / "trainer").ckpts, ignore_errors=True)
+    store = Path(cfg.store).resolve()
+    if run_dir in store.parents:  # a local store of this run's own, not a shared or remote one
+        shutil.rmtree(store, ignore_errors=True)
+
+
 def run_one(ctx: BenchContext, name: str, k: int, sz: dict, seed: int | None = None) -> dict:
     """One job at staleness ``k`` for the size's budget (with ``seed``'s settings, ``seed_sets``,
-    when one is given); its curve and counts."""
+    when one is given); its curve and counts. Its checkpoints and weights are then removed
+    (``prune``) unless ``--keep-data``."""
     ctx.say(
         f"[bench] learn {name}: k = {k}" + ("" if seed is None else f", seed {seed}") + f", budget {sz['budget_s']} s"
     )
@@ -145,6 +163,8 @@ def run_one(ctx: BenchContext, name: str, k: int, sz: dict, seed: int | None = N
     cfg = job_config(job)
     curve = eval_curve(cfg, job["run_dir"], job["t_start"])
     result = summarize(curve, steps_log(job["run_dir"]), sz["target_gain"])
+    if not ctx.extra.get("keep_data"):
+        prune(job, cfg)
     return {"name": name, "k": k, "seed": seed, "status": job["status"], "wall_s": job["wall_s"],
             "loadavg_at_start": job["loadavg"][0], "curve": curve, **result}  # fmt: skip
 
@@ -221,37 +241,55 @@ def ks_of(extra: dict, sz: dict) -> list[int]:
     return ks
 
 
+def run_key(r: dict) -> tuple:
+    """A learn run's place in the plan: ``(seed, repeat, k)``."""
+    return (r["seed"], r.get("repeat", 0), r["k"])
+
+
+def completed(r: dict) -> bool:
+    """A run that ended as planned (its budget spent, or its steps done), not one that failed."""
+    return not str(r["status"]).startswith("exit")
+
+
 def run(ctx: BenchContext) -> dict:
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
     ks = ks_of(ctx.extra, sz)
     seeds = list(ctx.extra.get("seeds") or [None])  # None: the recipe's own seeds
-    runs, turn = [], 0
-    for seed in seeds:  # seed by seed, the order of the ks alternating, so load drifts hit every k alike
-        for r in range(sz["repeats"]):
-            for k in ks if turn % 2 == 0 else list(reversed(ks)):
-                name = f"learn-{ctx.run_id}-k{k}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
-                runs.append(run_one(ctx, name, k, sz, seed))
-                write_json(ctx.out / "learn.json", {"benchmark": "learn", "runs": runs})
-            turn += 1
+    path = ctx.out / "learn.json"
+    plan = schedule(ks, seeds, sz["repeats"])
+    runs, todo = resume(path, plan, run_key, completed, ctx.say)
+    for seed, r, k in todo:
+        name = f"learn-{ctx.run_id}-k{k}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
+        runs.append({**run_one(ctx, name, k, sz, seed), "repeat": r})
+        write_json(path, {"benchmark": "learn", "runs": runs})
+    mine, others = in_plan(runs, plan, run_key)
     result = {"benchmark": "learn", "size": ctx.size, "recipe": str(sz["recipe"].relative_to(REPO)),
-              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "seeds": seeds, "runs": runs}  # fmt: skip
-    result["by_k"] = by_k(runs)
+              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "seeds": seeds, "runs": mine,
+              "other_runs": others}  # fmt: skip
+    result["by_k"] = by_k(mine)
     result["plots"] = [str(p) for p in plot(ctx.out, result)]
-    write_json(ctx.out / "learn.json", result)
+    write_json(path, result)
     return result
 
 
-def by_k(runs: list[dict]) -> dict:
-    """Per k over its runs (seeds): time and samples to the target (a run that never reached it
-    counts as not reached and is left out of the mean), and held-out pass@1 at equal samples: at
-    the most samples that every run has an evaluated version for. Means with 95 % intervals."""
+def at_time(curve: list[dict], seconds: float) -> float | None:
+    """pass@1 of the last version evaluated within ``seconds`` of the run's clock."""
+    seen = [c for c in curve if c["wall_s"] <= seconds]
+    return seen[-1]["pass_at_1"] if seen else None
+
+
+def over_seeds(runs: list[dict], arm_of, budget_s: float | None = None) -> dict:
+    """Per arm (``arm_of(run)``) over its runs (seeds): time and samples to the target (a run that
+    never reached it counts as not reached and is left out of the mean), held-out pass@1 at equal
+    samples (the most samples every run has an evaluated version for) and, with ``budget_s``, at
+    that time; samples per CPU-second where the runs have it. Means with 95 % intervals."""
     common = min((max((c["samples"] for c in r["curve"]), default=0) for r in runs), default=0)
-    out = {"common_samples": common, "ks": {}}
-    for k in dict.fromkeys(r["k"] for r in runs):
-        mine = [r for r in runs if r["k"] == k]
+    out = {"common_samples": common, "budget_s": budget_s, "arms": {}}
+    for arm in dict.fromkeys(arm_of(r) for r in runs):
+        mine = [r for r in runs if arm_of(r) == arm]
         hit = [r for r in mine if r["time_to_target_s"] is not None]
         at = [p for p in (at_samples(r["curve"], common) for r in mine) if p is not None]
-        out["ks"][str(k)] = {
+        row = out["arms"][arm] = {
             "n": len(mine),
             "never_reached": len(mine) - len(hit),
             "time_to_target_s": mean_ci([r["time_to_target_s"] for r in hit]),
@@ -259,7 +297,18 @@ def by_k(runs: list[dict]) -> dict:
             "pass_at_1_at_common": mean_ci(at),
             "pass_at_1_best": mean_ci([r["pass_at_1_best"] for r in mine if r["pass_at_1_best"] is not None]),
         }
+        if budget_s:
+            timed = (at_time(r["curve"], budget_s) for r in mine)
+            row["pass_at_1_at_budget"] = mean_ci([p for p in timed if p is not None])
+        rates = [r["samples_per_cpu_s"] for r in mine if r.get("samples_per_cpu_s") is not None]
+        if rates:
+            row["samples_per_cpu_s"] = mean_ci(rates)
     return out
+
+
+def by_k(runs: list[dict]) -> dict:
+    """``over_seeds`` per staleness bound k."""
+    return over_seeds(runs, lambda r: str(r["k"]))
 
 
 def table(result: dict) -> str:
@@ -276,9 +325,12 @@ def table(result: dict) -> str:
          for r in result["runs"]],
     )  # fmt: skip
     agg = result.get("by_k")
-    if not agg or not any(s["n"] > 1 for s in agg["ks"].values()):
+    if not agg or not any(s["n"] > 1 for s in agg["arms"].values()):
         return runs
-    return f"{runs}\n\n{by_k_table(agg, result['target_gain'])}"
+    return f"{runs}\n\n{arms_table(agg, result['target_gain'], 'k')}"
+
+
+EMPTY = mean_ci([])
 
 
 def _ci(c: dict, fmt: str) -> str:
@@ -287,13 +339,17 @@ def _ci(c: dict, fmt: str) -> str:
     return format(c["mean"], fmt) + ("" if c["lo"] is None else f" [{c['lo']:{fmt}}, {c['hi']:{fmt}}]")
 
 
-def by_k_table(agg: dict, target_gain: float) -> str:
+def arms_table(agg: dict, target_gain: float, arm: str) -> str:
+    """``over_seeds``'s summary as a table, one row per arm (its column named ``arm``)."""
+    timed = [f"pass@1 at {agg['budget_s']:.0f} s"] if agg.get("budget_s") else []
+    rated = any("samples_per_cpu_s" in s for s in agg["arms"].values())
     return md_table(
-        ["k", "runs", f"time to v0 + {target_gain:g} (s)", "samples to it", "never reached",
-         f"pass@1 at {agg['common_samples']} samples", "best pass@1"],
-        [[k, s["n"], _ci(s["time_to_target_s"], ".0f"), _ci(s["samples_to_target"], ".0f"), s["never_reached"],
-          _ci(s["pass_at_1_at_common"], ".3f"), _ci(s["pass_at_1_best"], ".3f")]
-         for k, s in agg["ks"].items()],
+        [arm, "runs", f"time to v0 + {target_gain:g} (s)", "samples to it", "never reached",
+         f"pass@1 at {agg['common_samples']} samples", *timed, "best pass@1", *(["samples / CPU-s"] if rated else [])],
+        [[a, s["n"], _ci(s["time_to_target_s"], ".0f"), _ci(s["samples_to_target"], ".0f"), s["never_reached"],
+          _ci(s["pass_at_1_at_common"], ".3f"), *([_ci(s["pass_at_1_at_budget"], ".3f")] if timed else []),
+          _ci(s["pass_at_1_best"], ".3f"), *([_ci(s.get("samples_per_cpu_s", EMPTY), ".2f")] if rated else [])]
+         for a, s in agg["arms"].items()],
     )  # fmt: skip
 
 

@@ -31,9 +31,7 @@ checkpoint). It prints figures and asserts nothing: the verdict is in the table.
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import statistics
 from pathlib import Path
 
@@ -41,11 +39,14 @@ from rlstream.dev.bench import learn
 from rlstream.dev.bench.harness import (
     REPO,
     BenchContext,
+    in_plan,
     md_table,
     mean_ci,
     pyplot,
+    resume,
     rnd,
     save_figure,
+    schedule,
     t95,
     write_json,
 )
@@ -127,7 +128,8 @@ def run_one(ctx: BenchContext, task: str, arm: str, seed: int, sz: dict) -> dict
         curve.append([cum, rnd(s.get("reward_mean"), 4) if s.get("used") else None])
         for d, n in (s.get("staleness") or {}).items():
             lag_sum, lag_n = lag_sum + int(d) * n, lag_n + n
-    shutil.rmtree(job["run_dir"] / "trainer" / "checkpoints", ignore_errors=True)  # 100 runs' disk
+    if not ctx.extra.get("keep_data"):
+        learn.prune(job, learn.job_config(job))
     return {"task": task, "arm": arm, "k": k, "seed": seed, "name": name, "status": job["status"],
             "wall_s": job["wall_s"], "loadavg": job["loadavg"], "steps": len(steps), "samples_trained": cum,
             "stale_dropped": sum(len(s.get("stale", [])) for s in steps),
@@ -219,8 +221,13 @@ def summarize(runs: list[dict], arms: list[str], sz: dict) -> list[dict]:
     return out
 
 
-def load_runs(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["runs"] if path.is_file() else []
+def run_key(r: dict) -> tuple:
+    """A run's place in the plan: ``(task, seed, arm)``."""
+    return (r["task"], r["seed"], r["arm"])
+
+
+def finished(r: dict) -> bool:
+    return r["status"] == "finished"
 
 
 def run(ctx: BenchContext) -> dict:
@@ -229,27 +236,19 @@ def run(ctx: BenchContext) -> dict:
     if ctx.extra.get("budget_s"):
         sz["budget_s"] = ctx.extra["budget_s"]
     path = ctx.out / RESULTS
-    runs = load_runs(path)
-    done = {(r["task"], r["arm"], r["seed"]) for r in runs if r["status"] == "finished"}
-    runs = [r for r in runs if r["status"] == "finished" or (r["task"], r["arm"], r["seed"]) not in done]
-    todo = [
-        (s, a) for i, s in enumerate(seeds) for a in (arms if i % 2 == 0 else arms[::-1]) if (task, a, s) not in done
-    ]
-    if done:
-        ctx.say(f"[bench] staleness: {len(done)} runs in {path}, {len(todo)} to go")
-    for i, (seed, arm) in enumerate(todo, 1):
+    plan = [(task, seed, arm) for seed, _, arm in schedule(arms, seeds)]
+    runs, todo = resume(path, plan, run_key, finished, ctx.say)
+    for i, (_, seed, arm) in enumerate(todo, 1):
         ctx.say(f"[bench] staleness {task} {arm} seed {seed} ({i}/{len(todo)}): starting")
         row = run_one(ctx, task, arm, seed, sz)
-        runs = [r for r in runs if (r["task"], r["arm"], r["seed"]) != (task, arm, seed)] + [row]
+        runs.append(row)
         write_json(path, {"benchmark": "staleness", "runs": runs})
         f = figures(row["curve"], sz["target"], sz["equal_samples"])
         ctx.say(f"[bench] staleness {task} {arm} seed {seed}: {row['status']}, {row['steps']} steps, "
                 f"samples to target {f['samples_to_target']}, reward at {sz['equal_samples']} "
                 f"{f['reward_at_equal_samples']}, mean lag {row['mean_lag']}, {row['wall_s']} s, "
                 f"load {row['loadavg'][0]}")  # fmt: skip
-    mine = [
-        r for r in runs if r["task"] == task and r["arm"] in arms and r["seed"] in seeds and r["status"] == "finished"
-    ]
+    mine = [r for r in in_plan(runs, plan, run_key)[0] if finished(r)]
     loads = [x for r in mine for x in r["loadavg"]]
     result = {"benchmark": "staleness", "size": ctx.size, "task": task, "recipe": str(sz["recipe"].relative_to(REPO)),
               "steps": sz["steps"], "target": sz["target"], "equal_samples": sz["equal_samples"], "window": WINDOW,

@@ -32,7 +32,7 @@ import os
 
 from pipeline.models import resolve_dtype
 from rlstream.dev.bench import learn
-from rlstream.dev.bench.harness import REPO, BenchContext, cpu_children, md_table, write_json
+from rlstream.dev.bench.harness import REPO, BenchContext, cpu_children, in_plan, md_table, resume, schedule, write_json
 from rlstream.dev.bench.trl_grpo import require_trl, run_child
 
 SIZES = {
@@ -105,27 +105,35 @@ def preflight() -> None:
     require_trl("trl")
 
 
+def run_key(r: dict) -> tuple:
+    """A run's place in the plan: ``(seed, repeat, "trl" | "rlstream")``."""
+    return (r["seed"], r.get("repeat", 0), r["engine"].split()[0])
+
+
 def run(ctx: BenchContext) -> dict:
     require_trl("trl")
     sz = {**SIZES[ctx.size], **({"budget_s": ctx.extra["budget_s"]} if ctx.extra.get("budget_s") else {})}
-    runs, turn = [], 0
-    for seed in ctx.extra.get("seeds") or [None]:  # None: the recipe's own seeds
-        for r in range(sz["repeats"]):
-            for which in ("trl", "rlstream") if turn % 2 == 0 else ("rlstream", "trl"):
-                name = f"peer-{ctx.run_id}-{which}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
-                run_arm = run_trl if which == "trl" else run_rlstream
-                runs.append(run_arm(ctx, name, sz, seed))
-                write_json(ctx.out / "trl.json", {"benchmark": "trl", "runs": runs})
-            turn += 1
+    seeds = list(ctx.extra.get("seeds") or [None])  # None: the recipe's own seeds
+    path = ctx.out / "trl.json"
+    plan = schedule(["trl", "rlstream"], seeds, sz["repeats"])
+    runs, todo = resume(path, plan, run_key, lambda r: r["status"] in ("ok", "budget spent", "finished"), ctx.say)
+    for seed, r, which in todo:
+        name = f"peer-{ctx.run_id}-{which}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
+        run_arm = run_trl if which == "trl" else run_rlstream
+        runs.append({**run_arm(ctx, name, sz, seed), "repeat": r})
+        write_json(path, {"benchmark": "trl", "runs": runs})
+    mine, others = in_plan(runs, plan, run_key)
     result = {"benchmark": "trl", "size": ctx.size, "recipe": str(sz["recipe"].relative_to(REPO)),
-              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "runs": runs}  # fmt: skip
-    write_json(ctx.out / "trl.json", result)
+              "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "seeds": seeds, "runs": mine,
+              "other_runs": others}  # fmt: skip
+    result["by_engine"] = learn.over_seeds(mine, lambda r: r["engine"], sz["budget_s"])
+    write_json(path, result)
     return result
 
 
 def table(result: dict) -> str:
     seeded = any(r.get("seed") is not None for r in result["runs"])
-    return md_table(
+    runs = md_table(
         ["engine", *(["seed"] if seeded else []), "status", "steps", "samples", "samples / CPU-s", "pass@1 v0",
          "final (version)", "best", f"time to v0 + {result['target_gain']:g}", "load avg at start"],
         [[r["engine"], *([r.get("seed")] if seeded else []), r["status"], r["steps"], r["samples_trained"],
@@ -134,3 +142,7 @@ def table(result: dict) -> str:
           "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s", r["loadavg_at_start"]]
          for r in result["runs"]],
     )  # fmt: skip
+    agg = result.get("by_engine")
+    if not agg or not any(s["n"] > 1 for s in agg["arms"].values()):
+        return runs
+    return f"{runs}\n\n{learn.arms_table(agg, result['target_gain'], 'engine')}"
