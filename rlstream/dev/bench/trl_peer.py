@@ -116,7 +116,7 @@ def run(ctx: BenchContext) -> dict:
     seeds = list(ctx.extra.get("seeds") or [None])  # None: the recipe's own seeds
     path = ctx.out / "trl.json"
     plan = schedule(["trl", "rlstream"], seeds, sz["repeats"])
-    runs, todo = resume(path, plan, run_key, lambda r: r["status"] in ("ok", "budget spent", "finished"), ctx.say)
+    runs, todo = resume(path, plan, run_key, learn.completed, ctx.say)
     for seed, r, which in todo:
         name = f"peer-{ctx.run_id}-{which}" + ("" if seed is None else f"-s{seed}") + f"-r{r}"
         run_arm = run_trl if which == "trl" else run_rlstream
