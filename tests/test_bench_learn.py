@@ -227,10 +227,11 @@ def test_a_summarised_run_loses_its_checkpoints_and_weights_but_keeps_its_logs(t
     assert (run_dir / "trainer" / "steps.jsonl").is_file() and (run_dir / "logs" / "f").is_file()
 
 
-def test_the_trl_bench_summarises_each_engine_over_seeds():
-    """Per engine: time to the target, pass@1 at equal samples and at the budget, samples per CPU-second."""
+def test_the_trl_bench_summarises_each_engine_over_seeds(tmp_path):
+    """Per engine: time to the target, pass@1 at equal samples and at the budget, samples per CPU-second;
+    every run's curve in one plot."""
     from rlstream.dev.bench.learn import over_seeds
-    from rlstream.dev.bench.trl_peer import run_key
+    from rlstream.dev.bench.trl_peer import plot, run_key
     from rlstream.dev.bench.trl_peer import table as trl_table
 
     def run(engine, seed, points, rate):
@@ -252,3 +253,5 @@ def test_the_trl_bench_summarises_each_engine_over_seeds():
     text = trl_table({"target_gain": 0.2, "runs": runs, "by_engine": agg})
     assert "| engine | runs | time to v0 + 0.2 (s) |" in text and "pass@1 at 150 s" in text
     assert "| rlstream k=1 | 2 | 150 [" in text and "samples / CPU-s |" in text
+    assert plot(tmp_path, {"recipe": "r.toml", "runs": runs}) == [tmp_path / "trl.png"]
+    assert (tmp_path / "trl.png").stat().st_size > 1000

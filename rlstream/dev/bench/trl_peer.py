@@ -127,8 +127,21 @@ def run(ctx: BenchContext) -> dict:
               "budget_s": sz["budget_s"], "target_gain": sz["target_gain"], "seeds": seeds, "runs": mine,
               "other_runs": others}  # fmt: skip
     result["by_engine"] = learn.over_seeds(mine, lambda r: r["engine"], sz["budget_s"])
+    result["plots"] = [str(p) for p in plot(ctx.out, result)]
     write_json(path, result)
     return result
+
+
+def plot(out, result: dict) -> list:
+    """Held-out pass@1 of every run against time (TRL's training clock, rlstream's from launch) and
+    against samples trained: ``trl.png`` in ``out``."""
+
+    def label(r: dict) -> str:
+        return r["engine"] + ("" if r.get("seed") is None else f", seed {r['seed']}")
+
+    return learn.plot_curves(
+        out / "trl.png", result["runs"], label, f"TRL GRPOTrainer and rlstream: {result['recipe']}"
+    )
 
 
 def table(result: dict) -> str:
