@@ -230,7 +230,7 @@ def test_a_summarised_run_loses_its_checkpoints_and_weights_but_keeps_its_logs(t
 def test_the_trl_bench_summarises_each_engine_over_seeds(tmp_path):
     """Per engine: time to the target, pass@1 at equal samples and at the budget, samples per CPU-second;
     every run's curve in one plot."""
-    from rlstream.dev.bench.learn import over_seeds
+    from rlstream.dev.bench.learn import arms_table, over_seeds
     from rlstream.dev.bench.trl_peer import plot, run_key
     from rlstream.dev.bench.trl_peer import table as trl_table
 
@@ -254,4 +254,9 @@ def test_the_trl_bench_summarises_each_engine_over_seeds(tmp_path):
     assert "| engine | runs | time to v0 + 0.2 (s) |" in text and "pass@1 at 150 s" in text
     assert "| rlstream k=1 | 2 | 150 [" in text and "samples / CPU-s |" in text
     assert plot(tmp_path, {"recipe": "r.toml", "runs": runs}) == [tmp_path / "trl.png"]
+    # two seeds: the t-interval reaches past what a time or a pass@1 can be; the table cuts it there
+    wide = {"trl": {**trl, "time_to_target_s": {"mean": 590.0, "lo": -291.2, "hi": 1471.1},
+                    "pass_at_1_at_common": {"mean": 0.714, "lo": 0.196, "hi": 1.233}}}  # fmt: skip
+    assert "| 590 [0, 1471] |" in arms_table({**agg, "arms": wide}, 0.2, "engine")
+    assert "| 0.714 [0.196, 1.000] |" in arms_table({**agg, "arms": wide}, 0.2, "engine")
     assert (tmp_path / "trl.png").stat().st_size > 1000

@@ -333,10 +333,15 @@ def table(result: dict) -> str:
 EMPTY = mean_ci([])
 
 
-def _ci(c: dict, fmt: str) -> str:
+def _ci(c: dict, fmt: str, top: float | None = None) -> str:
+    """``mean [lo, hi]``, the interval cut to what the figure can be (at least 0; at most ``top``):
+    with few seeds a t-interval reaches past it."""
     if c["mean"] is None:
         return "-"
-    return format(c["mean"], fmt) + ("" if c["lo"] is None else f" [{c['lo']:{fmt}}, {c['hi']:{fmt}}]")
+    if c["lo"] is None:
+        return format(c["mean"], fmt)
+    hi = c["hi"] if top is None else min(top, c["hi"])
+    return f"{c['mean']:{fmt}} [{max(0.0, c['lo']):{fmt}}, {hi:{fmt}}]"
 
 
 def arms_table(agg: dict, target_gain: float, arm: str) -> str:
@@ -347,8 +352,8 @@ def arms_table(agg: dict, target_gain: float, arm: str) -> str:
         [arm, "runs", f"time to v0 + {target_gain:g} (s)", "samples to it", "never reached",
          f"pass@1 at {agg['common_samples']} samples", *timed, "best pass@1", *(["samples / CPU-s"] if rated else [])],
         [[a, s["n"], _ci(s["time_to_target_s"], ".0f"), _ci(s["samples_to_target"], ".0f"), s["never_reached"],
-          _ci(s["pass_at_1_at_common"], ".3f"), *([_ci(s["pass_at_1_at_budget"], ".3f")] if timed else []),
-          _ci(s["pass_at_1_best"], ".3f"), *([_ci(s.get("samples_per_cpu_s", EMPTY), ".2f")] if rated else [])]
+          _ci(s["pass_at_1_at_common"], ".3f", 1), *([_ci(s["pass_at_1_at_budget"], ".3f", 1)] if timed else []),
+          _ci(s["pass_at_1_best"], ".3f", 1), *([_ci(s.get("samples_per_cpu_s", EMPTY), ".2f")] if rated else [])]
          for a, s in agg["arms"].items()],
     )  # fmt: skip
 
