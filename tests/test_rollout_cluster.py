@@ -25,10 +25,6 @@ SETTINGS = {
     "RLSTREAM_ROLLOUT__ENGINE__THREADS": "1",
     "RLSTREAM_KAFKA__CONSUMER": '{"session.timeout.ms" = 6000, "heartbeat.interval.ms" = 500}',
 }
-# exit_when_idle_s of a worker that must outlast the feed: these tests start the feeder once the
-# workers have joined, and its start-up (a fresh Python with torch) on a loaded machine takes tens of
-# seconds, all of it counted as idle time from the worker's partition assignment
-IDLE_UNTIL_FED_S = "60"
 
 
 def start_worker(cli_env, tmp_path, wid: str, **extra) -> subprocess.Popen:
@@ -89,11 +85,7 @@ def test_kill_9_loses_no_prompt(make_config, cli_env, tmp_path):
     cfg = make_config(f"feed.source={DATA}", "feed.epochs=2", "feed.rate=3", "rl.group_size=4")
     victim = start_worker(cli_env, tmp_path, "victim", RLSTREAM_ROLLOUT__MAX_NEW_TOKENS="200")
     survivor = start_worker(
-        cli_env,
-        tmp_path,
-        "survivor",
-        RLSTREAM_ROLLOUT__MAX_NEW_TOKENS="200",
-        RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S=IDLE_UNTIL_FED_S,
+        cli_env, tmp_path, "survivor", RLSTREAM_ROLLOUT__MAX_NEW_TOKENS="200", RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S="20"
     )
     feeder = None
     try:

@@ -16,7 +16,6 @@ from tests.conftest import rlstream_cmd
 from tests.rollout_helpers import read_topic
 from tests.test_rollout_cluster import (
     DATA,
-    IDLE_UNTIL_FED_S,
     _feed_env,
     audit_after_kill,
     kill_victim_and_drain,
@@ -76,7 +75,7 @@ def test_a_spare_takes_over_a_killed_workers_slot_and_prompts(make_config, cli_e
     # the spare starts once the victim holds the slot (else it could be the one to take it)
     slot = RolloutSlots(slot_root(cfg.model_copy(update={"run_dir": tmp_path / "runs"})), 1)
     _wait(lambda: slot.holder(0), 240, "the victim to take slot 0")
-    spare = start_worker(cli_env, tmp_path, "spare", RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S=IDLE_UNTIL_FED_S, **slots)
+    spare = start_worker(cli_env, tmp_path, "spare", RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S="20", **slots)
     feeder = None
     try:
         wait_workers_joined(cfg, ["victim", "spare"], timeout=240)  # the spare publishes metrics while it waits
@@ -121,7 +120,7 @@ def test_a_fenced_slot_holder_replaces_its_consumer_and_loses_nothing(make_confi
 
     cfg = make_config(f"feed.source={DATA}", "feed.epochs=2", "feed.rate=3", "rl.group_size=4")
     holder = start_worker(
-        cli_env, tmp_path, "holder", RLSTREAM_ROLLOUT__SLOTS="1", RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S=IDLE_UNTIL_FED_S,
+        cli_env, tmp_path, "holder", RLSTREAM_ROLLOUT__SLOTS="1", RLSTREAM_ROLLOUT__EXIT_WHEN_IDLE_S="20",
         RLSTREAM_ROLLOUT__MAX_NEW_TOKENS="200", RLSTREAM_ROLLOUT__SESSION_TIMEOUT_MS="10000",
     )  # fmt: skip
     feeder = intruder = None
