@@ -180,3 +180,44 @@ def test_the_kip848_protocol_leaves_out_the_classic_only_settings():
         c.close()
     classic = Consumer({**conf, "group.protocol": "classic"}, group_id="g")
     assert not classic.kip848 and classic._conf["session.timeout.ms"] == 6000
+
+
+def test_a_static_member_handed_another_topics_assignment_fails_loudly(make_config):
+    """A static member that rejoins within the session timeout gets its old assignment back, even
+    when it now subscribes to other topics (another job with the same group and instance id): it
+    would sit on the other topic's committed end, alive and idle. The wrapper raises instead, naming
+    the group, the foreign topics and what to change; a dynamic member of another group is unaffected."""
+    from pipeline.errors import ConsumeError
+
+    cfg = make_config()
+    old_topic, new_topic = cfg.topics.name("prompts"), cfg.topics.name("rollouts")
+    conf = {**client_conf(cfg, "test", kind="consumer"), "group.instance.id": "slot-0", "session.timeout.ms": 30000}
+    group = f"{cfg.topics.prefix}static"
+    old = Consumer(conf, group_id=group)
+    old.subscribe([old_topic])
+    deadline = time.monotonic() + 120
+    while not old.assignment():
+        assert time.monotonic() < deadline, "the first member got no assignment within 120 s"
+        old.poll(0.2)
+    old.close()  # a static member does not leave its group on close
+    new = Consumer(conf, group_id=group)
+    new.subscribe([new_topic])
+    deadline = time.monotonic() + 120
+    try:
+        with pytest.raises(ConsumeError) as ei:
+            while time.monotonic() < deadline:
+                new.poll(0.2)
+        msg = str(ei.value)
+        assert old_topic in msg and repr(group) in msg and "'slot-0'" in msg and "group_id" in msg
+    finally:
+        new.close()
+    fresh = Consumer(client_conf(cfg, "test", kind="consumer"), group_id=f"{cfg.topics.prefix}dynamic")
+    fresh.subscribe([new_topic])
+    deadline = time.monotonic() + 120
+    try:
+        while not fresh.assignment():
+            assert time.monotonic() < deadline, "a member of another group got no assignment within 120 s"
+            fresh.poll(0.2)
+        assert {t for t, _ in fresh.assignment()} == {new_topic}
+    finally:
+        fresh.close()

@@ -100,6 +100,7 @@ class Consumer:
         cooperative = self.kip848 or "cooperative" in str(self._conf.get("partition.assignment.strategy", ""))
 
         def assigned(client, parts):
+            self._check_assigned_topics(parts)
             tps = {(p.topic, p.partition) for p in parts}
             (client.incremental_assign if cooperative else client.assign)(parts)
             if parts:  # clear a pause flag left from an earlier ownership (see module docstring)
@@ -129,6 +130,28 @@ class Consumer:
             on_revoke=removed(on_revoke),
             on_lost=removed(on_lost),
         )
+
+    def _check_assigned_topics(self, parts) -> None:
+        """An assignment may only hold topics of the subscription. A static member
+        (``group.instance.id``) that rejoins its group within the session timeout is handed back
+        the assignment it had, whatever it subscribes to now: a consumer that last joined with other
+        topics (another job with this consumer group and instance id, or this job's topics renamed)
+        would read those topics' committed ends and never see its own records, alive and idle.
+        Raised instead, inside ``poll``/``consume``: the role exits non-zero with this message."""
+        topics = self._subscription[0]
+        if any(t.startswith("^") for t in topics):  # a pattern subscription: any matching topic
+            return
+        foreign = sorted({p.topic for p in parts} - set(topics))
+        if foreign:
+            iid = self._conf.get("group.instance.id")
+            raise ConsumeError(
+                f"consumer group {self._conf['group.id']!r} assigned this consumer partitions of {foreign}, topics it "
+                f"does not subscribe to ({topics}): the static member {iid!r} last joined this group with other "
+                "topics and the broker handed its old assignment back. Another job uses this consumer group and "
+                "instance id, or this job's topics changed: give each job its own consumer group (the stage's "
+                "group_id; `rlstream run` names them after the job). The old registration ends session.timeout.ms "
+                "after its last member left; a restart after that joins afresh."
+            )
 
     def renew(self) -> None:
         """Replace the client by a new one with the same settings and subscription, in place (the
