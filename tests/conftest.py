@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.topology import RunIdentity
 from tests.kafka_fixture import kafka_broker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,10 @@ def kafka_bootstrap():
 
 @pytest.fixture
 def topic_prefix() -> str:
-    """A prefix unique to the test, so tests sharing the broker never see each other's data."""
+    """A prefix unique to the test, so tests sharing the broker never see each other's data.
+    ``make_config`` and ``cli_env`` name the test's consumer groups and transactional ids after it
+    too (``RunIdentity.of_prefix``): a group shared between tests kept the earlier test's static
+    members, whose old assignment a later test's member with the same instance id was handed."""
     return f"t{uuid.uuid4().hex[:10]}."
 
 
@@ -53,7 +57,7 @@ def make_config(kafka_bootstrap, topic_prefix, tmp_path):
             None,
             [
                 f"kafka.bootstrap_servers={kafka_bootstrap}",
-                f"topics.prefix={topic_prefix}",
+                *(f"{k}={v}" for k, v in RunIdentity.of_prefix(topic_prefix).settings().items()),
                 f"run_dir={tmp_path / 'runs'}",
                 *(f"{k}={v}" for k, v in CLUSTER_TOPICS.items()),
                 *overrides,
@@ -73,7 +77,10 @@ def cli_env(kafka_bootstrap, topic_prefix, tmp_path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
     env.update(
         RLSTREAM_KAFKA__BOOTSTRAP_SERVERS=kafka_bootstrap,
-        RLSTREAM_TOPICS__PREFIX=topic_prefix,
+        **{
+            "RLSTREAM_" + k.upper().replace(".", "__"): v
+            for k, v in RunIdentity.of_prefix(topic_prefix).settings().items()
+        },
         RLSTREAM_RUN_DIR=str(tmp_path / "runs"),
         RLSTREAM_HOME=str(tmp_path / "home"),
         PYTHONUNBUFFERED="1",
