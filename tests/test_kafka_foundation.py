@@ -221,3 +221,32 @@ def test_a_static_member_handed_another_topics_assignment_fails_loudly(make_conf
         assert {t for t, _ in fresh.assignment()} == {new_topic}
     finally:
         fresh.close()
+
+
+def test_a_connection_dropped_during_the_sasl_handshake_is_not_a_wrong_password(monkeypatch):
+    """librdkafka reports a connection the broker dropped mid-handshake as an authentication error;
+    a role retries it (no credential was checked) unless it keeps happening, while a refused password
+    fails the role at once."""
+    from confluent_kafka import KafkaError
+
+    from pipeline.errors import KafkaClientError
+    from pipeline.kafka import common
+
+    monkeypatch.setattr(common, "_auth_error", [])
+    monkeypatch.setattr(common, "_handshake_drops", [])
+    drop = KafkaError(KafkaError._AUTHENTICATION, "GroupCoordinator: SASL SCRAM-SHA-512 mechanism handshake failed: "
+                      "Local: Broker transport failure: broker's supported mechanisms: (n/a) (after 0ms in state DOWN)")  # fmt: skip
+    most, _ = common.HANDSHAKE_DROPS
+    for _ in range(most):
+        common._on_client_error(drop)
+        common.raise_if_auth_failed("prompts")
+    common._on_client_error(drop)  # one more within the window: a listener that never completes a handshake
+    with pytest.raises(KafkaClientError, match="authentication failed"):
+        common.raise_if_auth_failed("prompts")
+    monkeypatch.setattr(common, "_auth_error", [])
+    monkeypatch.setattr(common, "_handshake_drops", [])
+    refused = KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed during "
+                         "authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512")  # fmt: skip
+    common._on_client_error(refused)
+    with pytest.raises(KafkaClientError, match="invalid credentials"):
+        common.raise_if_auth_failed("prompts")

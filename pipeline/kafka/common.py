@@ -36,6 +36,12 @@ _WEDGED: list = []
 life of the process, since destroying one would block too."""
 _auth_error: list = []
 """The newest authentication/TLS failure librdkafka reported (its error callback), if any."""
+HANDSHAKE_DROPS = (3, 60.0)
+"""A connection the broker drops during the SASL handshake ("mechanism handshake failed: Local:
+Broker transport failure") reaches the error callback as an authentication failure, though no
+credential was checked: librdkafka reconnects. More than 3 such drops within 60 s (a listener that
+never completes a handshake: a wrong ``security.protocol``) count as an authentication failure."""
+_handshake_drops: list[float] = []
 
 
 _AFTER_MS = re.compile(r"\s*\(after \d+ms in state \w+\)")
@@ -110,6 +116,12 @@ def _on_client_error(err: KafkaError) -> None:
     """librdkafka's error callback: remember authentication and TLS failures (librdkafka itself only
     retries them, so start-up would wait out its deadline on a wrong password) and log the rest."""
     if err.code() in _AUTH_CODES:
+        if "transport failure" in err.str():
+            now, (most, window_s) = time.monotonic(), HANDSHAKE_DROPS
+            _handshake_drops[:] = [t for t in _handshake_drops if now - t < window_s] + [now]
+            if len(_handshake_drops) <= most:
+                log.warning("kafka connection dropped during authentication; reconnecting %s", kv(error=err))
+                return
         _auth_error[:] = [err]
         log.error("kafka authentication failed %s", kv(error=err))
     elif err.fatal():
