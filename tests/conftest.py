@@ -77,16 +77,18 @@ def cli_env(kafka_bootstrap, topic_prefix, tmp_path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
     env.update(
         RLSTREAM_KAFKA__BOOTSTRAP_SERVERS=kafka_bootstrap,
-        **{
-            "RLSTREAM_" + k.upper().replace(".", "__"): v
-            for k, v in RunIdentity.of_prefix(topic_prefix).settings().items()
-        },
+        **env_vars(RunIdentity.of_prefix(topic_prefix).settings()),
         RLSTREAM_RUN_DIR=str(tmp_path / "runs"),
         RLSTREAM_HOME=str(tmp_path / "home"),
         PYTHONUNBUFFERED="1",
-        **{"RLSTREAM_" + k.upper().replace(".", "__"): v for k, v in CLUSTER_TOPICS.items()},
+        **env_vars(CLUSTER_TOPICS),
     )
     return env
+
+
+def env_vars(settings: dict[str, str]) -> dict[str, str]:
+    """Dotted settings as the environment variables a role reads (``a.b_c`` -> ``RLSTREAM_A__B_C``)."""
+    return {"RLSTREAM_" + k.upper().replace(".", "__"): v for k, v in settings.items()}
 
 
 def rlstream_cmd() -> list[str]:

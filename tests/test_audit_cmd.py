@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import CLUSTER_TOPICS, REPO, run_cli
+from tests.conftest import CLUSTER_TOPICS, REPO, env_vars, run_cli
 
 JOB = REPO / "examples/next-digit.toml"
 STEPS = 3
@@ -35,7 +35,7 @@ def job(kafka_bootstrap, tmp_path_factory):
         RLSTREAM_RUN_DIR=str(base / "runs"),
         RLSTREAM_HOME=str(base / "home"),
         PYTHONUNBUFFERED="1",
-        **{"RLSTREAM_" + k.upper().replace(".", "__"): v for k, v in CLUSTER_TOPICS.items()},
+        **env_vars(CLUSTER_TOPICS),
     )
     name = f"au{uuid.uuid4().hex[:8]}"
     run_cli(["run", str(JOB), "--steps", str(STEPS), "--no-live", *_sets(*FAST, f"job.name={name}")], env,

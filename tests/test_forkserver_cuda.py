@@ -20,7 +20,7 @@ import pytest
 
 from rlstream.forkserver import ForkedProc
 from rlstream.supervisor import Supervisor
-from tests.conftest import CLUSTER_TOPICS, REPO, run_cli
+from tests.conftest import CLUSTER_TOPICS, REPO, env_vars, run_cli
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork server: Linux only")
 
@@ -127,7 +127,7 @@ def test_a_job_whose_fork_server_has_cuda_runs_its_roles_as_plain_processes(kafk
         RLSTREAM_HOME=str(tmp_path / "home"),
         RLSTREAM_FORKSERVER_ASSUME_CUDA="1",
         PYTHONUNBUFFERED="1",
-        **{"RLSTREAM_" + k.upper().replace(".", "__"): v for k, v in CLUSTER_TOPICS.items()},
+        **env_vars(CLUSTER_TOPICS),
     )
     name = f"fc{uuid.uuid4().hex[:8]}"
     proc = run_cli(["run", str(REPO / "examples/next-digit.toml"), "--steps", "2", "--no-live", "--set",

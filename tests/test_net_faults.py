@@ -110,8 +110,7 @@ def test_bytes_pass_and_each_connection_is_named_by_its_process(echo_proxy):
         conns = proxy.connections()
         assert len(conns) == 1 and conns[0]["owner"] == "me" and conns[0]["pid"] == os.getpid(), conns
         # each direction's count is added after its bytes are forwarded: wait for both
-        wait_until(lambda: (proxy.connections()[0]["up"], proxy.connections()[0]["down"]) == (5000, 5000), 10,
-                   "the count of bytes forwarded")  # fmt: skip
+        wait_until(lambda: (c := proxy.connections()[0])["up"] == c["down"] == 5000, 10, "the count of bytes forwarded")
 
 
 def test_a_partition_holds_bytes_both_ways_and_the_heal_lets_them_through(echo_proxy):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLUSTER_TOPICS, REPO, rlstream_cmd
+from tests.conftest import CLUSTER_TOPICS, REPO, env_vars, rlstream_cmd
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 JOB = REPO / "examples/next-digit.toml"
@@ -57,7 +57,7 @@ def job(kafka_bootstrap, tmp_path_factory):
         PYTHONUNBUFFERED="1",
         WANDB_MODE="offline",
         WANDB_SILENT="true",
-        **{"RLSTREAM_" + k.upper().replace(".", "__"): v for k, v in CLUSTER_TOPICS.items()},
+        **env_vars(CLUSTER_TOPICS),
     )
     run = subprocess.run([*rlstream_cmd(), "run", str(JOB), "--steps", str(STEPS), "--no-live", *_args()], env=env,
                          capture_output=True, text=True, timeout=900)  # fmt: skip
