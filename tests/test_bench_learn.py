@@ -1,6 +1,8 @@
 """`rlstream bench learn`'s analysis: time and samples to the target gain, the final and best
 pass@1, stale drops; a run that never reaches the target says so."""
 
+import os
+
 import pytest
 
 from rlstream.dev.bench.learn import summarize, table, version_points
@@ -254,9 +256,26 @@ def test_the_trl_bench_summarises_each_engine_over_seeds(tmp_path):
     assert "| engine | runs | time to v0 + 0.2 (s) |" in text and "pass@1 at 150 s" in text
     assert "| rlstream k=1 | 2 | 150 [" in text and "samples / CPU-s |" in text
     assert plot(tmp_path, {"recipe": "r.toml", "runs": runs}) == [tmp_path / "trl.png"]
+    # the broker's CPU is in rlstream's samples per CPU-second; runs from before it was measured show "-"
+    assert "broker CPU s" not in text
+    runs[3]["broker_cpu_s"] = 123.4
+    shown = trl_table({"target_gain": 0.2, "runs": runs})
+    assert "| broker CPU s |" in shown and "| 1.2 | 123 |" in shown and "| 0.8 | - |" in shown
     # two seeds: the t-interval reaches past what a time or a pass@1 can be; the table cuts it there
     wide = {"trl": {**trl, "time_to_target_s": {"mean": 590.0, "lo": -291.2, "hi": 1471.1},
                     "pass_at_1_at_common": {"mean": 0.714, "lo": 0.196, "hi": 1.233}}}  # fmt: skip
     assert "| 590 [0, 1471] |" in arms_table({**agg, "arms": wide}, 0.2, "engine")
     assert "| 0.714 [0.196, 1.000] |" in arms_table({**agg, "arms": wide}, 0.2, "engine")
     assert (tmp_path / "trl.png").stat().st_size > 1000
+
+
+def test_the_broker_cpu_of_a_run_is_what_its_process_used_since_the_reading_before():
+    from types import SimpleNamespace
+
+    from rlstream.dev.bench.harness import broker_cpu_since, cpu_seconds
+
+    me = SimpleNamespace(broker_pid=os.getpid())
+    before = cpu_seconds(me.broker_pid)
+    sum(i * i for i in range(2_000_000))  # some CPU of this process
+    assert broker_cpu_since(me, before) >= 0.0 and broker_cpu_since(me, 0.0) >= round(before, 1) > 0
+    assert broker_cpu_since(SimpleNamespace(broker_pid=None), None) == 0.0  # an external cluster

@@ -60,6 +60,7 @@ from rlstream.dev.bench import cold_trace, learn
 from rlstream.dev.bench.harness import (
     REPO,
     BenchContext,
+    broker_cpu_since,
     cpu_children,
     cpu_seconds,
     md_table,
@@ -174,8 +175,7 @@ def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | N
     job = learn.run_job(
         ctx, name, k, {"recipe": RECIPE, "sets": list(sets), "sync_threads": False, **sz}, subdir="peer"
     )
-    b1 = cpu_seconds(ctx.broker_pid)
-    broker = round(b1 - b0, 1) if b0 is not None and b1 is not None else 0.0
+    broker = broker_cpu_since(ctx, b0)
     steps = learn.steps_log(job["run_dir"])
     log = [{"step": s["step"], "time": s["time"], "samples": len(s.get("used", [])),
             "reward_mean": s.get("reward_mean") if s.get("used") else None} for s in steps]  # fmt: skip

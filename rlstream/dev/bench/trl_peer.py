@@ -21,7 +21,8 @@ rlstream's eval runs as a process of its own and shares the two cores.
 
 Per run it reports wall time to ``v0 + target_gain`` held-out pass@1, the final and best pass@1,
 optimizer steps, samples trained, and samples per CPU-second (all processes of the run, from
-``getrusage(RUSAGE_CHILDREN)``). It prints figures and asserts nothing. The TRL process itself and the
+``getrusage(RUSAGE_CHILDREN)``, plus the bench broker's CPU during rlstream runs, ``broker_cpu_s``:
+a user's run needs its broker). It prints figures and asserts nothing. The TRL process itself and the
 matching of settings it shares with ``rlstream bench peer``: ``rlstream.dev.bench.trl_grpo``.
 """
 
@@ -32,7 +33,18 @@ import os
 
 from pipeline.models import resolve_dtype
 from rlstream.dev.bench import learn
-from rlstream.dev.bench.harness import REPO, BenchContext, cpu_children, in_plan, md_table, resume, schedule, write_json
+from rlstream.dev.bench.harness import (
+    REPO,
+    BenchContext,
+    broker_cpu_since,
+    cpu_children,
+    cpu_seconds,
+    in_plan,
+    md_table,
+    resume,
+    schedule,
+    write_json,
+)
 from rlstream.dev.bench.trl_grpo import require_trl, run_child
 
 SIZES = {
@@ -94,10 +106,11 @@ def run_trl(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> 
 
 
 def run_rlstream(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> dict:
-    cpu0 = cpu_children()
+    cpu0, b0 = cpu_children(), cpu_seconds(ctx.broker_pid)
     r = learn.run_one(ctx, name, sz["k"], {**learn.SIZES[ctx.size], **sz, "steps": 100_000}, seed)
-    cpu = cpu_children() - cpu0
-    return {**r, "engine": f"rlstream k={sz['k']}", "cpu_s": round(cpu, 1),
+    broker = broker_cpu_since(ctx, b0)
+    cpu = cpu_children() - cpu0 + broker
+    return {**r, "engine": f"rlstream k={sz['k']}", "cpu_s": round(cpu, 1), "broker_cpu_s": broker,
             "samples_per_cpu_s": round(r["samples_trained"] / cpu, 3) if cpu else None}  # fmt: skip
 
 
@@ -146,11 +159,13 @@ def plot(out, result: dict) -> list:
 
 def table(result: dict) -> str:
     seeded = any(r.get("seed") is not None for r in result["runs"])
+    brokered = any("broker_cpu_s" in r for r in result["runs"])  # runs before it was measured lack it
     runs = md_table(
-        ["engine", *(["seed"] if seeded else []), "status", "steps", "samples", "samples / CPU-s", "pass@1 v0",
-         "final (version)", "best", f"time to v0 + {result['target_gain']:g}", "load avg at start"],
+        ["engine", *(["seed"] if seeded else []), "status", "steps", "samples", "samples / CPU-s",
+         *(["broker CPU s"] if brokered else []), "pass@1 v0", "final (version)", "best",
+         f"time to v0 + {result['target_gain']:g}", "load avg at start"],
         [[r["engine"], *([r.get("seed")] if seeded else []), r["status"], r["steps"], r["samples_trained"],
-          r["samples_per_cpu_s"], r["pass_at_1_v0"],
+          r["samples_per_cpu_s"], *([r.get("broker_cpu_s", "-")] if brokered else []), r["pass_at_1_v0"],
           f"{r['pass_at_1_final']} (v{r['final_version']})", r["pass_at_1_best"],
           "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s", r["loadavg_at_start"]]
          for r in result["runs"]],
