@@ -269,13 +269,12 @@ def test_the_trl_bench_summarises_each_engine_over_seeds(tmp_path):
     assert (tmp_path / "trl.png").stat().st_size > 1000
 
 
-def test_the_broker_cpu_of_a_run_is_what_its_process_used_since_the_reading_before():
-    from types import SimpleNamespace
+def test_the_cpu_a_process_used_since_a_reading_before():
+    from rlstream.dev.bench.harness import cpu_seconds, cpu_since
 
-    from rlstream.dev.bench.harness import broker_cpu_since, cpu_seconds
-
-    me = SimpleNamespace(broker_pid=os.getpid())
-    before = cpu_seconds(me.broker_pid)
-    sum(i * i for i in range(2_000_000))  # some CPU of this process
-    assert broker_cpu_since(me, before) >= 0.0 and broker_cpu_since(me, 0.0) >= round(before, 1) > 0
-    assert broker_cpu_since(SimpleNamespace(broker_pid=None), None) == 0.0  # an external cluster
+    me = os.getpid()
+    before = cpu_seconds(me)
+    while cpu_seconds(me) - before < 0.3:  # CPU time, not wall time: done however loaded the machine is
+        pass
+    assert 0.3 <= cpu_since(me, before) < cpu_since(me, 0.0)
+    assert cpu_since(None, None) == 0.0 and cpu_since(me, None) == 0.0  # no local broker, no reading before

@@ -63,11 +63,12 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def broker_cpu_since(ctx: BenchContext, since: float | None) -> float:
-    """CPU seconds the invocation's local broker used since ``since`` (its ``cpu_seconds`` reading
-    before a run); 0.0 with an external cluster (``--bootstrap``), whose CPU is not on this machine."""
-    now = cpu_seconds(ctx.broker_pid)
-    return round(now - since, 1) if since is not None and now is not None else 0.0
+def cpu_since(pid: int | None, since: float | None) -> float:
+    """CPU seconds process ``pid`` used since ``since`` (its ``cpu_seconds`` reading before); 0.0
+    where either reading is missing (no local broker: an external cluster's CPU is not on this
+    machine)."""
+    now = cpu_seconds(pid)
+    return now - since if since is not None and now is not None else 0.0
 
 
 def cpu_children() -> float:

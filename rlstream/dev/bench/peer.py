@@ -60,9 +60,9 @@ from rlstream.dev.bench import cold_trace, learn
 from rlstream.dev.bench.harness import (
     REPO,
     BenchContext,
-    broker_cpu_since,
     cpu_children,
     cpu_seconds,
+    cpu_since,
     md_table,
     pyplot,
     rnd,
@@ -175,7 +175,7 @@ def run_rlstream(ctx: BenchContext, name: str, k: int, sz: dict, digest: str | N
     job = learn.run_job(
         ctx, name, k, {"recipe": RECIPE, "sets": list(sets), "sync_threads": False, **sz}, subdir="peer"
     )
-    broker = broker_cpu_since(ctx, b0)
+    broker = round(cpu_since(ctx.broker_pid, b0), 1)
     steps = learn.steps_log(job["run_dir"])
     log = [{"step": s["step"], "time": s["time"], "samples": len(s.get("used", [])),
             "reward_mean": s.get("reward_mean") if s.get("used") else None} for s in steps]  # fmt: skip
@@ -252,10 +252,9 @@ def run_cold(ctx: BenchContext, name: str, sz: dict, digest: str | None) -> dict
             wall = round(time.time() - t_start, 1)
             requests = cold_trace.broker_requests(jmx)
     finally:
-        b1 = cpu_seconds(pid)
+        broker = round(cpu_since(pid, b0), 1)
         _rlstream(env, "broker", "stop", timeout_s=120)
         shutil.rmtree(home, ignore_errors=True)
-    broker = round(b1 - b0, 1) if b0 is not None and b1 is not None else 0.0
     run_dir = next((d for d in (work / "runs").glob("*") if (d / "trainer").is_dir()), work / "runs" / "next-digit")
     steps = learn.steps_log(run_dir) if (run_dir / "trainer").is_dir() else []
     log = [{"step": s["step"], "time": s["time"], "samples": len(s.get("used", [])),

@@ -28,6 +28,7 @@ from pathlib import Path
 from rlstream.dev.bench.harness import (
     BenchContext,
     cpu_seconds,
+    cpu_since,
     group_stable,
     log_line,
     make_config,
@@ -54,10 +55,9 @@ IDLE: dict[str, float] = {}
 
 def broker_idle_rate(ctx: BenchContext, seconds: float = 10.0) -> float:
     """CPU seconds per second the broker spends with nothing to do (subtracted from its per-record cost)."""
-    a = cpu_seconds(ctx.broker_pid)
+    before = cpu_seconds(ctx.broker_pid)
     time.sleep(seconds)
-    b = cpu_seconds(ctx.broker_pid)
-    return (b - a) / seconds if a is not None and b is not None else 0.0
+    return cpu_since(ctx.broker_pid, before) / seconds
 
 
 def _row(stage: str, workers: int, res, records: int, span: float) -> dict:

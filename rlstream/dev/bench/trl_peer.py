@@ -36,9 +36,9 @@ from rlstream.dev.bench import learn
 from rlstream.dev.bench.harness import (
     REPO,
     BenchContext,
-    broker_cpu_since,
     cpu_children,
     cpu_seconds,
+    cpu_since,
     in_plan,
     md_table,
     resume,
@@ -108,7 +108,7 @@ def run_trl(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> 
 def run_rlstream(ctx: BenchContext, name: str, sz: dict, seed: int | None = None) -> dict:
     cpu0, b0 = cpu_children(), cpu_seconds(ctx.broker_pid)
     r = learn.run_one(ctx, name, sz["k"], {**learn.SIZES[ctx.size], **sz, "steps": 100_000}, seed)
-    broker = broker_cpu_since(ctx, b0)
+    broker = round(cpu_since(ctx.broker_pid, b0), 1)
     cpu = cpu_children() - cpu0 + broker
     return {**r, "engine": f"rlstream k={sz['k']}", "cpu_s": round(cpu, 1), "broker_cpu_s": broker,
             "samples_per_cpu_s": round(r["samples_trained"] / cpu, 3) if cpu else None}  # fmt: skip
@@ -159,7 +159,7 @@ def plot(out, result: dict) -> list:
 
 def table(result: dict) -> str:
     seeded = any(r.get("seed") is not None for r in result["runs"])
-    brokered = any("broker_cpu_s" in r for r in result["runs"])  # runs before it was measured lack it
+    brokered = any("broker_cpu_s" in r for r in result["runs"])  # results files written without it lack it
     runs = md_table(
         ["engine", *(["seed"] if seeded else []), "status", "steps", "samples", "samples / CPU-s",
          *(["broker CPU s"] if brokered else []), "pass@1 v0", "final (version)", "best",
